@@ -1,0 +1,3 @@
+"""Exactly-once transaction coordinator for Spark -> Kafka."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,104 @@
+"""The one small interface through which the coordinator acts on Kafka (DESIGN.md §3 step 5, §4).
+
+`commit` finishes a pre-committed transaction from another process by resume (EndTxn with the
+stored transactional id, producer id and epoch); `abort` ends whatever transaction an id may hold
+(initialising a producer on it fences and aborts it). The real implementation on Kafka's wire
+protocol plugs in here; a KIP-939 (prepared transactions) variant would be another one.
+
+`RecordingControlPlane` is the explicit "no Kafka control plane" mode: it touches no broker and
+only records what it was asked to do. It exists for tests and must never run in production;
+`build_control_plane` logs that loudly when it is chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KafkaTarget:
+    """What the control plane needs to know of a sink to reach its transactions."""
+
+    sink_name: str
+    bootstrap_servers: str
+    transaction_timeout_ms: int
+
+
+@dataclass(frozen=True)
+class PreparedTransaction:
+    transactional_id: str
+    producer_id: int
+    producer_epoch: int
+
+
+class ControlPlaneError(Exception):
+    """`retriable=True`: try again later (broker unreachable, coordinator moving).
+    `retriable=False`: the broker refused for good (fenced, timed out, unknown producer id)."""
+
+    def __init__(self, message: str, *, retriable: bool, code: str = "kafka_error") -> None:
+        super().__init__(message)
+        self.retriable = retriable
+        self.code = code
+
+
+class KafkaControlPlane(Protocol):
+    name: str
+
+    def commit(self, target: KafkaTarget, txn: PreparedTransaction) -> None: ...
+
+    def abort(self, target: KafkaTarget, transactional_id: str) -> None: ...
+
+
+class RecordingControlPlane:
+    """Test-only: records commits and aborts instead of sending them. `fail_next` makes the next
+    calls raise, so tests can exercise the coordinator's handling of Kafka failures."""
+
+    name = "none"
+
+    def __init__(self) -> None:
+        self.commits: list[tuple[str, PreparedTransaction]] = []
+        self.aborts: list[tuple[str, str]] = []
+        self._failures: list[ControlPlaneError] = []
+        self._lock = threading.Lock()
+
+    def fail_next(self, error: ControlPlaneError, times: int = 1) -> None:
+        with self._lock:
+            self._failures.extend([error] * times)
+
+    def _maybe_fail(self) -> None:
+        with self._lock:
+            if self._failures:
+                raise self._failures.pop(0)
+
+    def commit(self, target: KafkaTarget, txn: PreparedTransaction) -> None:
+        self._maybe_fail()
+        with self._lock:
+            self.commits.append((target.sink_name, txn))
+
+    def abort(self, target: KafkaTarget, transactional_id: str) -> None:
+        self._maybe_fail()
+        with self._lock:
+            self.aborts.append((target.sink_name, transactional_id))
+
+
+def build_control_plane(kind: str | None) -> KafkaControlPlane | None:
+    """`None` (not configured): the service runs, but refuses to decide commits (503) and leaves
+    aborts pending, because it cannot act on Kafka. "none": the recording test mode."""
+    if kind is None:
+        log.warning(
+            "no Kafka control plane is configured (COORDINATOR_KAFKA_CONTROL_PLANE): commits will "
+            "be refused with 503 and aborts stay pending until one is configured"
+        )
+        return None
+    if kind == "none":
+        log.warning(
+            "COORDINATOR_KAFKA_CONTROL_PLANE=none: commits and aborts are recorded but NEVER sent "
+            "to Kafka. This mode is for tests only; never use it in production."
+        )
+        return RecordingControlPlane()
+    raise ValueError(f"unknown Kafka control plane {kind!r}")

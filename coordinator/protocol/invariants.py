@@ -1,0 +1,179 @@
+"""Invariants I1-I5 of DESIGN.md §3 as executable checks over a snapshot of the durable state.
+
+`check_invariants(snapshot)` checks one snapshot (I2, I3, I4 and the structural half of I1);
+`check_committed_unchanged(before, after)` checks the history half of I1; `check_unchanged`
+is I5 (a refused call changed nothing). Each returns a list of violations, empty when all hold.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from .model import Attempt, Checkpoint, Lease, Sink, TransactionalId
+from .states import (
+    AttemptState,
+    CheckpointState,
+    LeaseState,
+    TransactionalIdState,
+    UNRESOLVED_LEASE_STATES,
+)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    sinks: list[Sink] = field(default_factory=list)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
+    leases: list[Lease] = field(default_factory=list)
+    transactional_ids: list[TransactionalId] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.invariant}: {self.message}"
+
+
+def check_invariants(s: Snapshot, *, settled: bool = False) -> list[Violation]:
+    """`settled=True` additionally requires every loser to have ended ABORTED (no abort pending)."""
+    return [*_i1_structure(s), *_i2(s, settled), *_i3(s), *_i4(s)]
+
+
+def _attempts_by_checkpoint(s: Snapshot) -> dict[int, dict[int, Attempt]]:
+    out: dict[int, dict[int, Attempt]] = defaultdict(dict)
+    for a in s.attempts:
+        out[a.checkpoint_id][a.number] = a
+    return out
+
+
+def _i1_structure(s: Snapshot) -> list[Violation]:
+    out = []
+    attempts = _attempts_by_checkpoint(s)
+    for c in s.checkpoints:
+        committed = [a for a in attempts[c.id].values() if a.state in (AttemptState.COMMITTED, AttemptState.COMMITTING)]
+        if len(committed) > 1:
+            out.append(Violation("I1", f"checkpoint {c.id} has {len(committed)} decided attempts"))
+        if c.state is CheckpointState.COMMITTED:
+            a = attempts[c.id].get(c.committed_attempt or -1)
+            if a is None or a.state is not AttemptState.COMMITTED:
+                out.append(Violation("I1", f"checkpoint {c.id} COMMITTED but attempt {c.committed_attempt} is not"))
+        if c.state is CheckpointState.OPEN and committed:
+            out.append(Violation("I1", f"checkpoint {c.id} OPEN with a decided attempt"))
+    return out
+
+
+def _i2(s: Snapshot, settled: bool) -> list[Violation]:
+    out = []
+    attempts = _attempts_by_checkpoint(s)
+    leases_by_checkpoint: dict[int, list[Lease]] = defaultdict(list)
+    for lease in s.leases:
+        leases_by_checkpoint[lease.checkpoint_id].append(lease)
+    for c in s.checkpoints:
+        leases = leases_by_checkpoint[c.id]
+        won = [lease for lease in leases if lease.state in (LeaseState.COMMITTED, LeaseState.COMMITTING)]
+        if c.state is CheckpointState.OPEN:
+            if won:
+                out.append(Violation("I2", f"open checkpoint {c.id} has committed leases {[w.id for w in won]}"))
+            continue
+        decided = attempts[c.id].get(c.committed_attempt or -1)
+        per_partition: dict[int, int] = defaultdict(int)
+        for w in won:
+            if decided is None or w.attempt_id != decided.id:
+                out.append(Violation("I2", f"lease {w.id} committed outside the decided attempt of checkpoint {c.id}"))
+            per_partition[w.partition] += 1
+            if not w.records:
+                out.append(Violation("I2", f"lease {w.id} committed with no records"))
+        for partition, n in per_partition.items():
+            if n != 1:
+                out.append(Violation("I2", f"checkpoint {c.id} partition {partition} has {n} committed transactions"))
+        if c.state is CheckpointState.COMMITTED:
+            if any(w.state is LeaseState.COMMITTING for w in won):
+                out.append(Violation("I2", f"checkpoint {c.id} COMMITTED with a winner still COMMITTING"))
+            if decided is not None and decided.partitions is not None:
+                if any(p >= decided.partitions for p in per_partition):
+                    out.append(Violation("I2", f"checkpoint {c.id} committed a partition beyond its count"))
+            bad = [
+                lease.id for lease in leases
+                if lease not in won
+                and lease.state is not LeaseState.ABORTED
+                and (settled or lease.state is not LeaseState.ABORTING)
+            ]
+            if bad:
+                out.append(Violation("I2", f"checkpoint {c.id} committed but non-winner leases {bad} are not aborted"))
+    return out
+
+
+def _i3(s: Snapshot) -> list[Violation]:
+    out = []
+    ids = {t.transactional_id: t for t in s.transactional_ids}
+    holders: dict[str, list[Lease]] = defaultdict(list)
+    history: dict[str, list[Lease]] = defaultdict(list)
+    for lease in s.leases:
+        history[lease.transactional_id].append(lease)
+        if lease.state in UNRESOLVED_LEASE_STATES:
+            holders[lease.transactional_id].append(lease)
+    for tid, held in holders.items():
+        if len(held) > 1:
+            out.append(Violation("I3", f"{tid} is held by {len(held)} unresolved leases {[h.id for h in held]}"))
+        t = ids.get(tid)
+        if t is None or t.state is not TransactionalIdState.LEASED or t.lease_id != held[0].id:
+            out.append(Violation("I3", f"{tid} may hold a transaction of lease {held[0].id} but the pool has it as {t}"))
+    for tid, leases in history.items():
+        leases.sort(key=lambda x: (x.leased_at, x.id))
+        for earlier, later in zip(leases, leases[1:]):
+            if earlier.resolved_at is None or earlier.resolved_at > later.leased_at:
+                out.append(
+                    Violation("I3", f"{tid} leased to {later.id} before lease {earlier.id} was resolved")
+                )
+    for t in s.transactional_ids:
+        if t.state is TransactionalIdState.LEASED and t.transactional_id not in holders:
+            out.append(Violation("I3", f"{t.transactional_id} is LEASED but no unresolved lease holds it"))
+    return out
+
+
+def _i4(s: Snapshot) -> list[Violation]:
+    out = []
+    margin = {sink.id: sink.commit_margin_ms for sink in s.sinks}
+    attempt_by_id = {a.id: a for a in s.attempts}
+    for lease in s.leases:
+        if lease.state not in (LeaseState.COMMITTING, LeaseState.COMMITTED):
+            continue
+        attempt = attempt_by_id[lease.attempt_id]
+        if attempt.decided_at is None:
+            out.append(Violation("I4", f"winner lease {lease.id} has no decision time"))
+            continue
+        if attempt.decided_at + timedelta(milliseconds=margin[lease.sink_id]) > lease.deadline_at:
+            out.append(Violation("I4", f"lease {lease.id} was decided within the margin of its deadline"))
+    return out
+
+
+def check_committed_unchanged(before: Snapshot, after: Snapshot) -> list[Violation]:
+    """I1, history half: a COMMITTED checkpoint and its leases never change afterwards."""
+    out = []
+    after_cp = {c.id: c for c in after.checkpoints}
+    after_leases = {lease.id: lease for lease in after.leases}
+    committed = {c.id for c in before.checkpoints if c.state is CheckpointState.COMMITTED}
+    for c in before.checkpoints:
+        if c.id in committed and after_cp.get(c.id) != c:
+            out.append(Violation("I1", f"committed checkpoint {c.id} changed: {c} -> {after_cp.get(c.id)}"))
+    for lease in before.leases:
+        if lease.checkpoint_id in committed and lease.state is LeaseState.COMMITTED:
+            if after_leases.get(lease.id) != lease:
+                out.append(Violation("I1", f"committed lease {lease.id} changed"))
+    return out
+
+
+def check_unchanged(before: Snapshot, after: Snapshot) -> list[Violation]:
+    """I5: a refused (stale) call must leave the durable state exactly as it was."""
+    if before == after:
+        return []
+    diffs = [
+        name for name in ("sinks", "checkpoints", "attempts", "leases", "transactional_ids")
+        if getattr(before, name) != getattr(after, name)
+    ]
+    return [Violation("I5", f"a refused call changed {', '.join(diffs)}")]

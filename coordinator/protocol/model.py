@@ -1,0 +1,99 @@
+"""Plain records of the protocol's entities. The storage layer builds them from rows (field names
+are column names); the rules and the invariant checker read them. No I/O here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any, Self
+
+from .states import AttemptState, CheckpointState, LeaseState, TransactionalIdState
+
+
+class _Record:
+    @classmethod
+    def from_mapping(cls, row: Any) -> Self:
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        return cls(**{name: row[name] for name in names})
+
+
+@dataclass(frozen=True)
+class Sink(_Record):
+    id: int
+    name: str
+    transactional_id_prefix: str
+    bootstrap_servers: str
+    topics: list[str]
+    transaction_timeout_ms: int
+    commit_margin_ms: int
+    max_pool_size: int
+    generation: int
+    lineage_query_id: str | None
+    writer_token_version: int
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Checkpoint(_Record):
+    id: int
+    sink_id: int
+    query_id: str
+    batch_id: int
+    state: CheckpointState
+    current_attempt: int
+    committed_attempt: int | None
+    created_at: datetime
+    decided_at: datetime | None
+    committed_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Attempt(_Record):
+    id: int
+    checkpoint_id: int
+    number: int
+    generation: int
+    state: AttemptState
+    partitions: int | None
+    started_at: datetime
+    decided_at: datetime | None
+    finished_at: datetime | None
+    abort_reason: str | None
+
+
+@dataclass(frozen=True)
+class Lease(_Record):
+    id: int
+    sink_id: int
+    checkpoint_id: int
+    attempt_id: int
+    partition: int
+    task_attempt_id: int
+    transactional_id: str
+    state: LeaseState
+    leased_at: datetime
+    deadline_at: datetime
+    producer_id: int | None
+    producer_epoch: int | None
+    records: int | None
+    bytes: int | None
+    precommitted_at: datetime | None
+    resolved_at: datetime | None
+
+
+@dataclass(frozen=True)
+class TransactionalId(_Record):
+    id: int
+    sink_id: int
+    ordinal: int
+    transactional_id: str
+    state: TransactionalIdState
+    lease_id: int | None
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    """One entry of a commit request: the winning lease of a partition, or None if it was empty."""
+
+    partition: int
+    lease_id: int | None

@@ -1,0 +1,343 @@
+"""The checks and decisions of the protocol (DESIGN.md §3), as pure functions over plain records.
+
+Nothing here reads a clock, a database or a network: callers pass `now` and the rows they read,
+and act on the returned decision inside their own transaction. Every function either returns a
+decision or raises a ProtocolError whose reason the client can branch on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+
+from . import errors as e
+from .model import Attempt, Lease, PartitionResult
+from .states import AttemptState, CheckpointState, LeaseState, UNDECIDED_LEASE_STATES
+
+# Kafka accepts any string as transactional.id; we keep to the characters Kafka allows in topic
+# names so ids are safe in logs, ACL patterns and shell commands.
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+MAX_PREFIX_LENGTH = 200
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+MAX_NAME_LENGTH = 100
+
+
+# --- sinks and transactional ids -------------------------------------------------------------
+
+
+def validate_sink_name(name: str) -> None:
+    if not (1 <= len(name) <= MAX_NAME_LENGTH) or not _NAME_RE.match(name):
+        raise e.Invalid(
+            "invalid_sink_name",
+            f"sink name must be 1-{MAX_NAME_LENGTH} characters of A-Z a-z 0-9 . _ - "
+            "and start with a letter or digit",
+            field="name",
+        )
+
+
+def validate_prefix(prefix: str) -> None:
+    if not (1 <= len(prefix) <= MAX_PREFIX_LENGTH) or not _PREFIX_RE.match(prefix):
+        raise e.Invalid(
+            "invalid_transactional_id_prefix",
+            f"transactional_id_prefix must be 1-{MAX_PREFIX_LENGTH} characters of A-Z a-z 0-9 . _ -",
+            field="transactional_id_prefix",
+        )
+
+
+def prefixes_clash(a: str, b: str) -> bool:
+    """Two sinks clash if one prefix starts the other: a broker-side sweep by prefix could then
+    not tell their transactions apart."""
+    return a.startswith(b) or b.startswith(a)
+
+
+def transactional_id_for(prefix: str, ordinal: int) -> str:
+    return f"{prefix}-{ordinal}"
+
+
+def validate_timeouts(transaction_timeout_ms: int, commit_margin_ms: int, broker_max_ms: int) -> None:
+    if transaction_timeout_ms > broker_max_ms:
+        raise e.Invalid(
+            "transaction_timeout_above_broker_max",
+            f"transaction_timeout_ms={transaction_timeout_ms} exceeds the broker's "
+            f"transaction.max.timeout.ms={broker_max_ms}; the producer would be refused at "
+            "InitProducerId. Lower the sink's timeout or raise the broker maximum.",
+            field="transaction_timeout_ms",
+        )
+    if commit_margin_ms >= transaction_timeout_ms:
+        raise e.Invalid(
+            "commit_margin_too_large",
+            f"commit_margin_ms={commit_margin_ms} must be below transaction_timeout_ms="
+            f"{transaction_timeout_ms}, or no commit could ever pass the timeout gate",
+            field="commit_margin_ms",
+        )
+
+
+def default_commit_margin_ms(transaction_timeout_ms: int) -> int:
+    """A tenth of the timeout, at least 5 s (but never the whole timeout)."""
+    return min(max(transaction_timeout_ms // 10, 5_000), transaction_timeout_ms // 2)
+
+
+# --- generations and lineage -----------------------------------------------------------------
+
+
+def check_generation(current: int, given: int) -> None:
+    if given < current:
+        raise e.Conflict(
+            e.STALE_GENERATION,
+            f"generation {given} was fenced by generation {current}: a newer driver of this "
+            "query has registered, this one must stop",
+            current_generation=current,
+            given_generation=given,
+        )
+    if given > current:
+        raise e.Conflict(
+            e.UNKNOWN_GENERATION,
+            f"generation {given} was never started for this sink (current is {current})",
+            current_generation=current,
+            given_generation=given,
+        )
+
+
+def check_lineage(bound_query_id: str | None, query_id: str) -> None:
+    """A sink belongs to the query (checkpoint location) that first registered with it."""
+    if bound_query_id is not None and bound_query_id != query_id:
+        raise e.Conflict(
+            e.LINEAGE_MISMATCH,
+            f"this sink belongs to Spark query {bound_query_id}, but query {query_id} is "
+            "registering: it was started from a fresh checkpoint location, so its batch ids "
+            "restart at 0 and would collide with batches already committed. Restore the original "
+            "checkpoint location, use a new sink, or have an operator reset the sink's lineage.",
+            bound_query_id=bound_query_id,
+            query_id=query_id,
+        )
+
+
+# --- begin checkpoint ------------------------------------------------------------------------
+
+
+class BeginAction(StrEnum):
+    SKIP = "skip"  # already committed: do not write
+    RESUME = "resume"  # commit decided but unfinished: finish it, then do not write
+    CONTINUE = "continue"  # an open attempt of this generation exists: same answer as before
+    NEW_ATTEMPT = "new_attempt"  # write under a new attempt; older ones are aborted
+
+
+def decide_begin(
+    checkpoint_state: CheckpointState, latest: Attempt | None, generation: int
+) -> BeginAction:
+    if checkpoint_state is CheckpointState.COMMITTED:
+        return BeginAction.SKIP
+    if checkpoint_state is CheckpointState.COMMITTING:
+        return BeginAction.RESUME
+    if latest is not None and latest.state is AttemptState.OPEN and latest.generation == generation:
+        return BeginAction.CONTINUE
+    return BeginAction.NEW_ATTEMPT
+
+
+# --- leases and pre-commits ------------------------------------------------------------------
+
+
+def check_attempt_writable(attempt: Attempt, current_attempt: int, generation: int) -> None:
+    """Leases and pre-commits are only for the current, open attempt of the caller's generation."""
+    if attempt.generation != generation:
+        raise e.Conflict(
+            e.STALE_GENERATION if generation < attempt.generation else e.STALE_ATTEMPT,
+            f"attempt {attempt.number} belongs to generation {attempt.generation}, not {generation}",
+            attempt=attempt.number,
+            attempt_generation=attempt.generation,
+        )
+    if attempt.number != current_attempt:
+        raise e.Conflict(
+            e.STALE_ATTEMPT,
+            f"attempt {attempt.number} was superseded by attempt {current_attempt}",
+            attempt=attempt.number,
+            current_attempt=current_attempt,
+        )
+    if attempt.state is AttemptState.ABORTED:
+        raise e.Conflict(
+            e.ATTEMPT_ABORTED,
+            f"attempt {attempt.number} was aborted ({attempt.abort_reason})",
+            attempt=attempt.number,
+            abort_reason=attempt.abort_reason,
+        )
+    if attempt.state is not AttemptState.OPEN:
+        raise e.Conflict(
+            e.COMMIT_DECIDED,
+            f"attempt {attempt.number} is {attempt.state}: its commit was already decided",
+            attempt=attempt.number,
+        )
+
+
+def check_partition(partition: int, max_partitions: int) -> None:
+    if not 0 <= partition < max_partitions:
+        raise e.Invalid(
+            "partition_out_of_range",
+            f"partition must be in [0, {max_partitions}) (COORDINATOR_MAX_PARTITIONS)",
+            field="partition",
+        )
+
+
+def transaction_deadline(leased_at: datetime, transaction_timeout_ms: int) -> datetime:
+    """The latest the broker can abort this lease's transaction. The lease exists before its
+    producer, so the broker's clock for the transaction starts no earlier than this."""
+    return leased_at + timedelta(milliseconds=transaction_timeout_ms)
+
+
+def remaining_ms(lease: Lease, now: datetime) -> int:
+    return int((lease.deadline_at - now) / timedelta(milliseconds=1))
+
+
+def deadline_too_close(lease: Lease, now: datetime, margin_ms: int) -> bool:
+    return remaining_ms(lease, now) < margin_ms
+
+
+@dataclass(frozen=True)
+class PrecommitRequest:
+    producer_id: int
+    producer_epoch: int
+    records: int
+    bytes: int
+
+
+def precommit_already_recorded(lease: Lease, request: PrecommitRequest) -> bool:
+    """True if this is a retry of the pre-commit that was stored; a different one is refused."""
+    if lease.state not in (LeaseState.PRECOMMITTED, LeaseState.COMMITTING, LeaseState.COMMITTED):
+        return False
+    stored = (lease.producer_id, lease.producer_epoch, lease.records, lease.bytes)
+    given = (request.producer_id, request.producer_epoch, request.records, request.bytes)
+    if stored != given:
+        raise e.Conflict(
+            e.PRECOMMIT_MISMATCH,
+            f"lease {lease.id} was already pre-committed with different values",
+            stored=dict(zip(("producer_id", "producer_epoch", "records", "bytes"), stored)),
+        )
+    return True
+
+
+def check_precommit(lease: Lease, now: datetime, margin_ms: int) -> None:
+    """A new pre-commit needs a live lease whose transaction can still pass the commit gate."""
+    if lease.state is not LeaseState.LEASED:
+        raise e.Conflict(e.STALE_LEASE, f"lease {lease.id} is {lease.state}", lease_state=str(lease.state))
+    if deadline_too_close(lease, now, margin_ms):
+        raise e.Conflict(
+            e.DEADLINE_TOO_CLOSE,
+            f"lease {lease.id}'s transaction has {remaining_ms(lease, now)} ms left before the "
+            f"broker may abort it, below the safety margin of {margin_ms} ms; the task must fail "
+            "so Spark retries it with a fresh transaction",
+            remaining_ms=remaining_ms(lease, now),
+            margin_ms=margin_ms,
+        )
+
+
+# --- commit ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommitPlan:
+    winners: tuple[Lease, ...]
+    losers: tuple[Lease, ...]  # undecided leases of the attempt that must end aborted
+
+
+def validate_partition_results(results: Sequence[PartitionResult], max_partitions: int) -> None:
+    numbers = sorted(r.partition for r in results)
+    if len(numbers) > max_partitions:
+        raise e.Invalid("too_many_partitions", f"at most {max_partitions} partitions", field="partitions")
+    if numbers != list(range(len(numbers))):
+        raise e.Invalid(
+            "partitions_incomplete",
+            "partitions must list every partition 0..N-1 exactly once (lease_id null for an "
+            "empty partition)",
+            field="partitions",
+        )
+
+
+def plan_commit(
+    attempt_leases: Iterable[Lease], results: Sequence[PartitionResult], max_partitions: int
+) -> CommitPlan:
+    """Choose winners from the driver's partition results; every other undecided lease loses."""
+    validate_partition_results(results, max_partitions)
+    by_id = {lease.id: lease for lease in attempt_leases}
+    winners: list[Lease] = []
+    for result in results:
+        if result.lease_id is None:
+            continue
+        lease = by_id.get(result.lease_id)
+        if lease is None:
+            raise e.Conflict(
+                e.STALE_LEASE,
+                f"lease {result.lease_id} is not a lease of this attempt",
+                lease_id=result.lease_id,
+            )
+        if lease.partition != result.partition:
+            raise e.Conflict(
+                e.LEASE_MISMATCH,
+                f"lease {lease.id} was taken for partition {lease.partition}, not {result.partition}",
+                lease_id=lease.id,
+            )
+        if lease.state is not LeaseState.PRECOMMITTED:
+            raise e.Conflict(
+                e.WINNER_NOT_PRECOMMITTED,
+                f"lease {lease.id} of partition {lease.partition} is {lease.state}, not PRECOMMITTED",
+                lease_id=lease.id,
+                lease_state=str(lease.state),
+            )
+        winners.append(lease)
+    winner_ids = {w.id for w in winners}
+    losers = tuple(
+        lease for lease in by_id.values() if lease.id not in winner_ids and lease.state in UNDECIDED_LEASE_STATES
+    )
+    return CommitPlan(winners=tuple(winners), losers=losers)
+
+
+def check_commit_deadlines(winners: Iterable[Lease], now: datetime, margin_ms: int) -> None:
+    """The timeout gate (I4): no commit is decided for a transaction the broker may abort soon."""
+    close = [w for w in winners if deadline_too_close(w, now, margin_ms)]
+    if close:
+        worst = min(close, key=lambda w: w.deadline_at)
+        raise e.Conflict(
+            e.DEADLINE_TOO_CLOSE,
+            f"{len(close)} winning transaction(s) are within {margin_ms} ms of their broker "
+            f"timeout (lease {worst.id} has {remaining_ms(worst, now)} ms left); the attempt is "
+            "aborted and the batch must be replayed. Raise transaction.timeout.ms or shorten batches.",
+            lease_ids=[w.id for w in close],
+            margin_ms=margin_ms,
+        )
+
+
+def check_same_winners(requested: Sequence[PartitionResult], durable_winners: Iterable[Lease]) -> None:
+    """A retried commit of a decided checkpoint must name the winners that were decided."""
+    asked = {(r.partition, r.lease_id) for r in requested if r.lease_id is not None}
+    decided = {(w.partition, w.id) for w in durable_winners}
+    if asked != decided:
+        raise e.Conflict(
+            e.WINNER_MISMATCH,
+            "this checkpoint's commit was already decided with other winners",
+            decided=sorted([p, lid] for p, lid in decided),
+        )
+
+
+def batch_duration_warning(
+    started_at: datetime, decided_at: datetime, restart_budget_ms: int, transaction_timeout_ms: int
+) -> str | None:
+    """Warn when the timeout is below the observed batch duration plus the restart budget: a
+    crash after pre-commit could then lose the batch's transactions to the broker's timeout."""
+    took_ms = int((decided_at - started_at) / timedelta(milliseconds=1))
+    if took_ms + restart_budget_ms > transaction_timeout_ms:
+        return (
+            f"batch took {took_ms} ms; with a restart budget of {restart_budget_ms} ms this exceeds "
+            f"transaction.timeout.ms={transaction_timeout_ms}; raise the timeout or shorten batches"
+        )
+    return None
+
+
+def lease_expired(lease: Lease, now: datetime) -> bool:
+    """A lease never pre-committed whose transaction the broker has certainly aborted by now."""
+    return lease.state is LeaseState.LEASED and now >= lease.deadline_at
+
+
+def transaction_age_fraction(lease: Lease, now: datetime, transaction_timeout_ms: int) -> float:
+    age = (now - lease.leased_at) / timedelta(milliseconds=1)
+    return age / transaction_timeout_ms

@@ -1,0 +1,761 @@
+"""The coordinator's operations: each one reads the durable state, asks the protocol rules what
+to do, writes the decision with compare-and-set in one Postgres transaction, and only then acts
+on Kafka through the control plane. No database transaction is held open across a Kafka call.
+
+Every operation is safe to retry: the same request finds its own earlier effect and answers
+from it (natural keys: run id, (checkpoint, generation), (attempt, partition, task attempt id),
+the stored pre-commit values, the decided winners).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, Engine, func, insert, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import DBAPIError, IntegrityError
+
+from .clock import Clock, SystemClock
+from .kafka_control import ControlPlaneError, KafkaControlPlane, KafkaTarget, PreparedTransaction
+from .protocol import errors as e
+from .protocol import rules
+from .protocol.invariants import Snapshot
+from .protocol.model import Attempt, Checkpoint, Lease, PartitionResult, Sink
+from .protocol.rules import BeginAction, PrecommitRequest
+from .protocol.states import AttemptState, CheckpointState, LeaseState, UNDECIDED_LEASE_STATES, UNRESOLVED_LEASE_STATES
+from .store import repo
+from .store.tables import attempts, checkpoints, events, generations, leases, sinks, transactional_ids
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Postgres codes worth retrying the whole transaction for: serialization failure, deadlock.
+_RETRYABLE_SQLSTATES = {"40001", "40P01"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_partitions: int = 4096
+    broker_max_transaction_timeout_ms: int = 900_000  # Kafka's default transaction.max.timeout.ms
+    restart_budget_ms: int = 60_000
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    name: str
+    transactional_id_prefix: str
+    bootstrap_servers: str
+    topics: list[str]
+    transaction_timeout_ms: int = 60_000
+    commit_margin_ms: int | None = None
+    max_pool_size: int | None = None
+
+
+@dataclass(frozen=True)
+class AbortOutcome:
+    aborted: list[str] = field(default_factory=list)  # transactional ids aborted on Kafka
+    pending: list[str] = field(default_factory=list)  # still to abort (Kafka unreachable or unconfigured)
+
+
+@dataclass(frozen=True)
+class BeginResult:
+    action: BeginAction
+    checkpoint: Checkpoint
+    attempt: Attempt | None
+    older_aborted: list[str]
+    older_abort_pending: list[str]
+
+    @property
+    def must_write(self) -> bool:
+        return self.action in (BeginAction.NEW_ATTEMPT, BeginAction.CONTINUE)
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    checkpoint: Checkpoint
+    attempt: Attempt
+    winners: list[Lease]
+    aborts: AbortOutcome
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CheckpointDetail:
+    checkpoint: Checkpoint
+    attempts: list[Attempt]
+    leases: list[Lease]
+
+
+class Coordinator:
+    def __init__(
+        self,
+        engine: Engine,
+        control_plane: KafkaControlPlane | None,
+        clock: Clock | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        self.engine = engine
+        self.control_plane = control_plane
+        self.clock = clock or SystemClock()
+        self.limits = limits or Limits()
+        self._kafka_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kafka-control")
+
+    def close(self) -> None:
+        self._kafka_pool.shutdown(wait=True)
+
+    # --- transactions ------------------------------------------------------------------------
+
+    def _tx(self, fn: Callable[[Connection], T]) -> T:
+        """Run fn in one database transaction, retrying it whole on deadlock or serialization
+        failure (safe: fn has no effect outside the transaction)."""
+        for attempt in range(5):
+            try:
+                with self.engine.begin() as conn:
+                    return fn(conn)
+            except DBAPIError as exc:
+                code = getattr(exc.orig, "sqlstate", None)
+                if code not in _RETRYABLE_SQLSTATES or attempt == 4:
+                    raise
+                log.info("retrying transaction after %s", code)
+        raise AssertionError("unreachable")
+
+    # --- sinks -------------------------------------------------------------------------------
+
+    def register_sink(self, spec: SinkSpec, actor: str) -> tuple[Sink, bool]:
+        """Returns (sink, created). Registering the same spec again returns the same sink."""
+        rules.validate_sink_name(spec.name)
+        rules.validate_prefix(spec.transactional_id_prefix)
+        margin = spec.commit_margin_ms
+        if margin is None:
+            margin = rules.default_commit_margin_ms(spec.transaction_timeout_ms)
+        rules.validate_timeouts(spec.transaction_timeout_ms, margin, self.limits.broker_max_transaction_timeout_ms)
+        max_pool = spec.max_pool_size or 4 * self.limits.max_partitions
+        values = dict(
+            name=spec.name,
+            transactional_id_prefix=spec.transactional_id_prefix,
+            bootstrap_servers=spec.bootstrap_servers,
+            topics=list(spec.topics),
+            transaction_timeout_ms=spec.transaction_timeout_ms,
+            commit_margin_ms=margin,
+            max_pool_size=max_pool,
+        )
+
+        def step(conn: Connection) -> tuple[Sink, bool]:
+            # one registration at a time: the prefix-clash check reads all prefixes
+            conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('coordinator.sink_registration'))"))
+            existing = conn.execute(select(sinks).where(sinks.c.name == spec.name)).first()
+            if existing is not None:
+                if {k: existing._mapping[k] for k in values} != values:
+                    raise e.Conflict(
+                        e.SINK_EXISTS,
+                        f"a sink named {spec.name!r} exists with a different configuration",
+                        existing={k: existing._mapping[k] for k in values},
+                    )
+                return repo.sink_by_name(conn, spec.name), False
+            clash = conn.execute(
+                select(sinks.c.name, sinks.c.transactional_id_prefix).where(
+                    func.starts_with(sinks.c.transactional_id_prefix, spec.transactional_id_prefix)
+                    | func.starts_with(spec.transactional_id_prefix, sinks.c.transactional_id_prefix)
+                )
+            ).first()
+            if clash is not None:
+                raise e.Conflict(
+                    e.PREFIX_CLASH,
+                    f"transactional_id_prefix {spec.transactional_id_prefix!r} overlaps sink "
+                    f"{clash.name!r}'s prefix {clash.transactional_id_prefix!r}; prefixes must not "
+                    "start one another, or their transactions could not be told apart",
+                    other_sink=clash.name,
+                )
+            now = self.clock.now()
+            sink_id = conn.execute(insert(sinks).values(created_at=now, **values).returning(sinks.c.id)).scalar_one()
+            repo.add_event(conn, sink_id, "sink_registered", actor, now, **values)
+            return repo.sink_by_name(conn, spec.name), True
+
+        return self._tx(step)
+
+    def list_sinks(self) -> list[Sink]:
+        with self.engine.connect() as conn:
+            return [repo.sink_by_name(conn, n) for n in conn.execute(select(sinks.c.name).order_by(sinks.c.name)).scalars()]
+
+    def get_sink(self, name: str) -> Sink:
+        with self.engine.connect() as conn:
+            return repo.sink_by_name(conn, name)
+
+    def rotate_writer_token(self, name: str, actor: str) -> Sink:
+        def step(conn: Connection) -> Sink:
+            sink = repo.sink_by_name(conn, name, lock="update")
+            conn.execute(
+                update(sinks).where(sinks.c.id == sink.id).values(writer_token_version=sink.writer_token_version + 1)
+            )
+            repo.add_event(conn, sink.id, "writer_token_rotated", actor, self.clock.now())
+            return repo.sink_by_name(conn, name)
+
+        return self._tx(step)
+
+    # --- generations and lineage --------------------------------------------------------------
+
+    def start_generation(self, name: str, query_id: str, run_id: str, actor: str) -> tuple[int, AbortOutcome]:
+        """A Spark query (re)started: fence every older driver, bind or check the lineage."""
+
+        def step(conn: Connection) -> tuple[int, list[Lease]]:
+            sink = repo.sink_by_name(conn, name, lock="update")
+            known = conn.execute(
+                select(generations.c.generation).where(generations.c.sink_id == sink.id, generations.c.run_id == run_id)
+            ).scalar()
+            if known is not None:
+                rules.check_generation(sink.generation, known)  # a retry answers the same
+                return known, []
+            rules.check_lineage(sink.lineage_query_id, query_id)
+            now = self.clock.now()
+            gen = sink.generation + 1
+            conn.execute(update(sinks).where(sinks.c.id == sink.id).values(generation=gen, lineage_query_id=query_id))
+            conn.execute(
+                insert(generations).values(sink_id=sink.id, generation=gen, query_id=query_id, run_id=run_id, started_at=now)
+            )
+            to_abort = self._abort_open_attempts(conn, sink, "fenced_by_new_generation", now)
+            repo.add_event(conn, sink.id, "generation_started", actor, now, generation=gen, query_id=query_id, run_id=run_id)
+            return gen, to_abort
+
+        gen, to_abort = self._tx(step)
+        return gen, self._abort_on_kafka(name, to_abort)
+
+    def reset_lineage(self, name: str, actor: str, reason: str) -> Sink:
+        """Operator action: let a query with a new checkpoint location take over the sink. Fences
+        the current driver and aborts whatever it has open."""
+
+        def step(conn: Connection) -> list[Lease]:
+            sink = repo.sink_by_name(conn, name, lock="update")
+            committing = conn.execute(
+                select(checkpoints.c.batch_id).where(
+                    checkpoints.c.sink_id == sink.id, checkpoints.c.state == CheckpointState.COMMITTING.value
+                )
+            ).scalars().all()
+            if committing:
+                raise e.Conflict(
+                    e.COMMIT_IN_PROGRESS,
+                    f"batches {list(committing)} have a decided commit still finishing; resume them first",
+                    batch_ids=list(committing),
+                )
+            now = self.clock.now()
+            to_abort = self._abort_open_attempts(conn, sink, "lineage_reset", now)
+            conn.execute(
+                update(sinks).where(sinks.c.id == sink.id).values(generation=sink.generation + 1, lineage_query_id=None)
+            )
+            repo.add_event(
+                conn, sink.id, "lineage_reset", actor, now, previous_query_id=sink.lineage_query_id, reason=reason
+            )
+            return to_abort
+
+        to_abort = self._tx(step)
+        self._abort_on_kafka(name, to_abort)
+        return self.get_sink(name)
+
+    # --- begin checkpoint ---------------------------------------------------------------------
+
+    def begin_checkpoint(self, name: str, batch_id: int, generation: int, actor: str) -> BeginResult:
+        def step(conn: Connection) -> tuple[BeginAction, int, list[Lease], list[int]]:
+            sink = repo.sink_by_name(conn, name)
+            rules.check_generation(sink.generation, generation)
+            assert sink.lineage_query_id is not None  # bound by every generation start
+            now = self.clock.now()
+            conn.execute(
+                pg_insert(checkpoints)
+                .values(
+                    sink_id=sink.id,
+                    query_id=sink.lineage_query_id,
+                    batch_id=batch_id,
+                    state=CheckpointState.OPEN.value,
+                    current_attempt=0,
+                    created_at=now,
+                )
+                .on_conflict_do_nothing()
+            )
+            cp = repo.checkpoint_for(conn, sink, batch_id, lock=True)
+            latest = repo.attempt_of(conn, cp.id, cp.current_attempt) if cp.current_attempt else None
+            action = rules.decide_begin(cp.state, latest, generation)
+            to_abort: list[Lease] = []
+            if action is BeginAction.NEW_ATTEMPT:
+                # one micro-batch in flight per query: every other open attempt of the sink is dead
+                to_abort = self._abort_open_attempts(conn, sink, "superseded", now)
+                number = cp.current_attempt + 1
+                conn.execute(
+                    insert(attempts).values(
+                        checkpoint_id=cp.id,
+                        sink_id=sink.id,
+                        number=number,
+                        generation=generation,
+                        state=AttemptState.OPEN.value,
+                        started_at=now,
+                    )
+                )
+                conn.execute(update(checkpoints).where(checkpoints.c.id == cp.id).values(current_attempt=number))
+                repo.add_event(conn, sink.id, "attempt_begun", actor, now, cp.id, batch_id=batch_id, attempt=number, generation=generation)
+            unfinished = conn.execute(
+                select(checkpoints.c.id).where(
+                    checkpoints.c.sink_id == sink.id,
+                    checkpoints.c.state == CheckpointState.COMMITTING.value,
+                    checkpoints.c.id != cp.id,
+                )
+            ).scalars().all()
+            return action, cp.id, to_abort, list(unfinished)
+
+        action, checkpoint_id, to_abort, unfinished = self._tx(step)
+        for other in unfinished:  # decided commits of earlier batches finish first
+            self._finish_commit(name, other)
+        if action is BeginAction.RESUME:
+            self._finish_commit(name, checkpoint_id)
+        self._abort_on_kafka(name, to_abort)
+
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            cp = repo.checkpoint_for(conn, sink, batch_id)
+            attempt = repo.attempt_of(conn, cp.id, cp.current_attempt) if cp.current_attempt else None
+            older = repo.leases_where(
+                conn,
+                leases.c.checkpoint_id == cp.id,
+                leases.c.attempt_id != (attempt.id if attempt else -1),
+                leases.c.state.in_([LeaseState.ABORTED.value, LeaseState.ABORTING.value]),
+            )
+        return BeginResult(
+            action=action,
+            checkpoint=cp,
+            attempt=attempt,
+            older_aborted=[x.transactional_id for x in older if x.state is LeaseState.ABORTED],
+            older_abort_pending=[x.transactional_id for x in older if x.state is LeaseState.ABORTING],
+        )
+
+    def _abort_open_attempts(self, conn: Connection, sink: Sink, reason: str, now: datetime) -> list[Lease]:
+        """Abort every OPEN attempt of the sink (one micro-batch is in flight per query, so any
+        other open attempt is dead once a new one begins or a new generation starts)."""
+        open_ids = conn.execute(
+            select(attempts.c.id)
+            .where(attempts.c.sink_id == sink.id, attempts.c.state == AttemptState.OPEN.value)
+            .order_by(attempts.c.id)
+            .with_for_update()
+        ).scalars().all()
+        return self._abort_attempt_rows(conn, sink, list(open_ids), reason, now, "coordinator")
+
+    def _abort_attempt_rows(
+        self, conn: Connection, sink: Sink, attempt_ids: list[int], reason: str, now: datetime, actor: str
+    ) -> list[Lease]:
+        """Mark the attempts ABORTED and their undecided leases ABORTING; returns the leases whose
+        transactions must now be aborted on Kafka. Their ids stay LEASED until that is done, so
+        none is re-leased while it may hold a transaction (I3, and scale-down for free)."""
+        aborted = repo.cas(
+            conn, attempts, attempt_ids, [AttemptState.OPEN], AttemptState.ABORTED, finished_at=now, abort_reason=reason
+        )
+        if not aborted:
+            return []
+        undecided = repo.leases_where(
+            conn,
+            leases.c.attempt_id.in_([a.id for a in aborted]),
+            leases.c.state.in_([s.value for s in UNDECIDED_LEASE_STATES]),
+            lock=True,
+        )
+        changed = repo.cas(conn, leases, [x.id for x in undecided], UNDECIDED_LEASE_STATES, LeaseState.ABORTING)
+        for a in aborted:
+            repo.add_event(conn, sink.id, "attempt_aborted", actor, now, a.checkpoint_id, attempt=a.number, reason=reason)
+        return [repo.as_lease(r) for r in changed]
+
+    # --- leases -------------------------------------------------------------------------------
+
+    def begin_partition(
+        self, name: str, batch_id: int, attempt_number: int, generation: int, partition: int, task_attempt_id: int
+    ) -> Lease:
+        """Lease a transactional id to one task attempt of one partition."""
+        rules.check_partition(partition, self.limits.max_partitions)
+
+        def existing(conn: Connection, attempt_id: int) -> Lease | None:
+            found = repo.leases_where(
+                conn,
+                leases.c.attempt_id == attempt_id,
+                leases.c.partition == partition,
+                leases.c.task_attempt_id == task_attempt_id,
+            )
+            if not found:
+                return None
+            lease = found[0]
+            if lease.state not in (LeaseState.LEASED, LeaseState.PRECOMMITTED):
+                raise e.Conflict(e.STALE_LEASE, f"lease {lease.id} is {lease.state}", lease_id=lease.id, lease_state=str(lease.state))
+            return lease
+
+        def step(conn: Connection) -> Lease:
+            sink = repo.sink_by_name(conn, name)
+            rules.check_generation(sink.generation, generation)
+            cp = repo.checkpoint_for(conn, sink, batch_id)
+            attempt = repo.attempt_of(conn, cp.id, attempt_number, lock="key_share")
+            again = existing(conn, attempt.id)
+            if again is not None:
+                return again
+            rules.check_attempt_writable(attempt, cp.current_attempt, generation)
+            tid_row, tid = repo.take_free_transactional_id(
+                conn, sink, lambda n: rules.transactional_id_for(sink.transactional_id_prefix, n)
+            )
+            now = self.clock.now()
+            row = conn.execute(
+                insert(leases)
+                .values(
+                    sink_id=sink.id,
+                    checkpoint_id=cp.id,
+                    attempt_id=attempt.id,
+                    partition=partition,
+                    task_attempt_id=task_attempt_id,
+                    transactional_id=tid,
+                    state=LeaseState.LEASED.value,
+                    leased_at=now,
+                    deadline_at=rules.transaction_deadline(now, sink.transaction_timeout_ms),
+                )
+                .returning(*leases.c)
+            ).one()
+            conn.execute(
+                update(transactional_ids)
+                .where(transactional_ids.c.id == tid_row, transactional_ids.c.state == "FREE")
+                .values(state="LEASED", lease_id=row.id)
+            )
+            return repo.as_lease(row)
+
+        try:
+            return self._tx(step)
+        except IntegrityError:
+            # a concurrent copy of this very request won the unique (attempt, partition, task attempt)
+            def again(conn: Connection) -> Lease:
+                sink = repo.sink_by_name(conn, name)
+                cp = repo.checkpoint_for(conn, sink, batch_id)
+                lease = existing(conn, repo.attempt_of(conn, cp.id, attempt_number).id)
+                assert lease is not None
+                return lease
+
+            return self._tx(again)
+
+    def precommit(self, name: str, lease_id: int, generation: int, request: PrecommitRequest) -> Lease:
+        """Store the flushed transaction's producer id, epoch and counts durably."""
+
+        def step(conn: Connection) -> Lease:
+            sink = repo.sink_by_name(conn, name)
+            rules.check_generation(sink.generation, generation)
+            attempt_id = repo.lease_by_id(conn, sink, lease_id).attempt_id
+            attempt = repo.attempt_by_id(conn, attempt_id, lock="key_share")
+            lease = repo.lease_by_id(conn, sink, lease_id, lock=True)
+            if rules.precommit_already_recorded(lease, request):
+                return lease
+            cp_current = conn.execute(
+                select(checkpoints.c.current_attempt).where(checkpoints.c.id == lease.checkpoint_id)
+            ).scalar_one()
+            rules.check_attempt_writable(attempt, cp_current, generation)
+            now = self.clock.now()
+            rules.check_precommit(lease, now, sink.commit_margin_ms)
+            (row,) = repo.cas(
+                conn,
+                leases,
+                [lease.id],
+                [LeaseState.LEASED],
+                LeaseState.PRECOMMITTED,
+                producer_id=request.producer_id,
+                producer_epoch=request.producer_epoch,
+                records=request.records,
+                bytes=request.bytes,
+                precommitted_at=now,
+            )
+            return repo.as_lease(row)
+
+        return self._tx(step)
+
+    # --- commit -------------------------------------------------------------------------------
+
+    def commit(
+        self,
+        name: str,
+        batch_id: int,
+        attempt_number: int,
+        generation: int,
+        results: Sequence[PartitionResult],
+        actor: str,
+    ) -> CommitResult:
+        if self.control_plane is None:
+            raise e.Unavailable(
+                e.NO_CONTROL_PLANE,
+                "the coordinator has no Kafka control plane configured (COORDINATOR_KAFKA_CONTROL_PLANE), "
+                "so it cannot commit; nothing was decided",
+            )
+
+        def step(conn: Connection) -> tuple[int, list[Lease], e.ProtocolError | None]:
+            sink = repo.sink_by_name(conn, name, lock="share")
+            rules.check_generation(sink.generation, generation)
+            cp = repo.checkpoint_for(conn, sink, batch_id, lock=True)
+            attempt = repo.attempt_of(conn, cp.id, attempt_number, lock="update")
+            if cp.state is not CheckpointState.OPEN:
+                if cp.committed_attempt != attempt_number:
+                    raise e.Conflict(
+                        e.COMMIT_DECIDED,
+                        f"batch {batch_id} was committed by attempt {cp.committed_attempt}",
+                        committed_attempt=cp.committed_attempt,
+                    )
+                decided = repo.leases_where(
+                    conn,
+                    leases.c.attempt_id == attempt.id,
+                    leases.c.state.in_([LeaseState.COMMITTING.value, LeaseState.COMMITTED.value]),
+                )
+                rules.check_same_winners(results, decided)
+                return cp.id, [], None  # a retry: finish (if needed) and answer from the record
+            if attempt.state is AttemptState.ABORTED and attempt.abort_reason == e.DEADLINE_TOO_CLOSE:
+                raise e.Conflict(e.DEADLINE_TOO_CLOSE, f"attempt {attempt_number} was aborted by the timeout gate")
+            rules.check_attempt_writable(attempt, cp.current_attempt, generation)
+            attempt_leases = repo.leases_where(conn, leases.c.attempt_id == attempt.id, lock=True)
+            plan = rules.plan_commit(attempt_leases, results, self.limits.max_partitions)
+            now = self.clock.now()
+            try:
+                rules.check_commit_deadlines(plan.winners, now, sink.commit_margin_ms)
+            except e.Conflict as refusal:
+                to_abort = self._abort_attempt_rows(conn, sink, [attempt.id], e.DEADLINE_TOO_CLOSE, now, actor)
+                repo.add_event(conn, sink.id, "commit_refused", actor, now, cp.id, attempt=attempt_number, **refusal.to_dict())
+                return cp.id, to_abort, refusal
+            repo.cas(conn, checkpoints, [cp.id], [CheckpointState.OPEN], CheckpointState.COMMITTING,
+                     decided_at=now, committed_attempt=attempt_number)
+            repo.cas(conn, attempts, [attempt.id], [AttemptState.OPEN], AttemptState.COMMITTING,
+                     decided_at=now, partitions=len(results))
+            repo.cas(conn, leases, [w.id for w in plan.winners], [LeaseState.PRECOMMITTED], LeaseState.COMMITTING)
+            losers = repo.cas(conn, leases, [x.id for x in plan.losers], UNDECIDED_LEASE_STATES, LeaseState.ABORTING)
+            repo.add_event(
+                conn, sink.id, "commit_decided", actor, now, cp.id, batch_id=batch_id, attempt=attempt_number,
+                winners=[[w.partition, w.id, w.transactional_id] for w in plan.winners],
+            )
+            return cp.id, [repo.as_lease(r) for r in losers], None
+
+        checkpoint_id, to_abort, refusal = self._tx(step)
+        if refusal is not None:
+            self._abort_on_kafka(name, to_abort)
+            raise refusal
+        self._finish_commit(name, checkpoint_id)
+        aborts = self._abort_on_kafka(name, to_abort)
+        return self._commit_result(name, batch_id, aborts)
+
+    def resume(self, name: str, batch_id: int) -> CommitResult:
+        """Finish a decided commit (after a crash); answers from the record if it is finished."""
+        with self.engine.connect() as conn:
+            cp = repo.checkpoint_for(conn, repo.sink_by_name(conn, name), batch_id)
+        if cp.state is CheckpointState.OPEN:
+            raise e.Conflict(e.NOT_COMMITTING, f"batch {batch_id} has no decided commit to resume")
+        self._finish_commit(name, cp.id)
+        with self.engine.connect() as conn:
+            pending = repo.leases_where(conn, leases.c.checkpoint_id == cp.id, leases.c.state == LeaseState.ABORTING.value)
+        return self._commit_result(name, batch_id, self._abort_on_kafka(name, pending))
+
+    def _commit_result(self, name: str, batch_id: int, aborts: AbortOutcome) -> CommitResult:
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            cp = repo.checkpoint_for(conn, sink, batch_id)
+            assert cp.committed_attempt is not None
+            attempt = repo.attempt_of(conn, cp.id, cp.committed_attempt)
+            winners = repo.leases_where(
+                conn,
+                leases.c.attempt_id == attempt.id,
+                leases.c.state.in_([LeaseState.COMMITTING.value, LeaseState.COMMITTED.value]),
+            )
+        warnings = []
+        if attempt.decided_at is not None:
+            w = rules.batch_duration_warning(
+                attempt.started_at, attempt.decided_at, self.limits.restart_budget_ms, sink.transaction_timeout_ms
+            )
+            if w:
+                warnings.append(w)
+        return CommitResult(checkpoint=cp, attempt=attempt, winners=winners, aborts=aborts, warnings=warnings)
+
+    def _finish_commit(self, name: str, checkpoint_id: int) -> None:
+        """Commit every decided winner on Kafka by resume, then mark the checkpoint COMMITTED.
+        Safe to run concurrently with itself (driver resume and recovery loop): every write is a CAS."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            cp = repo.as_checkpoint(conn.execute(select(checkpoints).where(checkpoints.c.id == checkpoint_id)).one())
+            if cp.state is CheckpointState.COMMITTED:
+                return
+            assert cp.committed_attempt is not None
+            attempt = repo.attempt_of(conn, cp.id, cp.committed_attempt)
+            pending = repo.leases_where(
+                conn, leases.c.attempt_id == attempt.id, leases.c.state == LeaseState.COMMITTING.value
+            )
+        if pending and self.control_plane is None:
+            raise e.Unavailable(e.NO_CONTROL_PLANE, "no Kafka control plane configured to finish the commit")
+        target = _target(sink)
+        control_plane = self.control_plane
+
+        def commit_one(lease: Lease) -> ControlPlaneError | None:
+            assert control_plane is not None and lease.producer_id is not None and lease.producer_epoch is not None
+            try:
+                control_plane.commit(
+                    target, PreparedTransaction(lease.transactional_id, lease.producer_id, lease.producer_epoch)
+                )
+            except ControlPlaneError as exc:
+                return exc
+            return None
+
+        failures = {}
+        for lease, error in zip(pending, self._parallel(commit_one, pending)):
+            if error is not None:
+                failures[lease.transactional_id] = str(error)
+
+        def record(conn: Connection) -> bool:
+            now = self.clock.now()
+            done = [x.id for x in pending if x.transactional_id not in failures]
+            repo.cas(conn, leases, done, [LeaseState.COMMITTING], LeaseState.COMMITTED, resolved_at=now)
+            repo.release_transactional_ids(conn, done)
+            if failures:
+                repo.add_event(conn, sink.id, "commit_failed", "coordinator", now, cp.id, failures=failures)
+                return False
+            locked = repo.as_checkpoint(
+                conn.execute(select(checkpoints).where(checkpoints.c.id == cp.id).with_for_update()).one()
+            )
+            still = repo.leases_where(
+                conn, leases.c.attempt_id == attempt.id, leases.c.state == LeaseState.COMMITTING.value
+            )
+            if locked.state is CheckpointState.COMMITTING and not still:
+                repo.cas(conn, attempts, [attempt.id], [AttemptState.COMMITTING], AttemptState.COMMITTED, finished_at=now)
+                repo.cas(conn, checkpoints, [cp.id], [CheckpointState.COMMITTING], CheckpointState.COMMITTED, committed_at=now)
+                repo.add_event(conn, sink.id, "checkpoint_committed", "coordinator", now, cp.id,
+                               batch_id=cp.batch_id, attempt=attempt.number)
+            return True
+
+        if not self._tx(record):
+            raise e.Unavailable(
+                "kafka_commit_failed",
+                f"the commit of batch {cp.batch_id} is decided but {len(failures)} transaction(s) could "
+                "not be committed on Kafka yet; retry (resume) — the decision stands",
+                failures=failures,
+            )
+
+    # --- abort --------------------------------------------------------------------------------
+
+    def abort_attempt(
+        self, name: str, batch_id: int, attempt_number: int, generation: int | None, reason: str, actor: str
+    ) -> tuple[Attempt, AbortOutcome]:
+        """Abort an undecided attempt (the driver gives up on it, or an operator does)."""
+
+        def step(conn: Connection) -> list[Lease]:
+            sink = repo.sink_by_name(conn, name)
+            if generation is not None:
+                rules.check_generation(sink.generation, generation)
+            cp = repo.checkpoint_for(conn, sink, batch_id, lock=True)
+            attempt = repo.attempt_of(conn, cp.id, attempt_number, lock="update")
+            if attempt.state is AttemptState.ABORTED:
+                return []
+            if attempt.state is not AttemptState.OPEN:
+                raise e.Conflict(e.COMMIT_DECIDED, f"attempt {attempt_number} is {attempt.state}; it can no longer be aborted")
+            now = self.clock.now()
+            return self._abort_attempt_rows(conn, sink, [attempt.id], reason, now, actor)
+
+        to_abort = self._tx(step)
+        self._abort_on_kafka(name, to_abort)
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            cp = repo.checkpoint_for(conn, sink, batch_id)
+            attempt = repo.attempt_of(conn, cp.id, attempt_number)
+            all_leases = repo.leases_where(conn, leases.c.attempt_id == attempt.id)
+        return attempt, AbortOutcome(
+            aborted=[x.transactional_id for x in all_leases if x.state is LeaseState.ABORTED],
+            pending=[x.transactional_id for x in all_leases if x.state is LeaseState.ABORTING],
+        )
+
+    def run_pending_aborts(self, name: str) -> AbortOutcome:
+        """Abort on Kafka every transaction the database marks ABORTING (recovery loop's job)."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            pending = repo.leases_where(conn, leases.c.sink_id == sink.id, leases.c.state == LeaseState.ABORTING.value)
+        return self._abort_on_kafka(name, pending)
+
+    def _abort_on_kafka(self, name: str, to_abort: Sequence[Lease]) -> AbortOutcome:
+        """Abort each lease's transaction by its id; only then is the id free again."""
+        if not to_abort:
+            return AbortOutcome()
+        if self.control_plane is None:
+            return AbortOutcome(pending=[x.transactional_id for x in to_abort])
+        control_plane = self.control_plane
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+        target = _target(sink)
+
+        def abort_one(lease: Lease) -> ControlPlaneError | None:
+            try:
+                control_plane.abort(target, lease.transactional_id)
+            except ControlPlaneError as exc:
+                return exc
+            return None
+
+        errors = self._parallel(abort_one, list(to_abort))
+        done = [x for x, err in zip(to_abort, errors) if err is None]
+        failed = {x.transactional_id: str(err) for x, err in zip(to_abort, errors) if err is not None}
+
+        def record(conn: Connection) -> None:
+            now = self.clock.now()
+            changed = repo.cas(conn, leases, [x.id for x in done], [LeaseState.ABORTING], LeaseState.ABORTED, resolved_at=now)
+            repo.release_transactional_ids(conn, [r.id for r in changed])
+            if changed:
+                repo.add_event(conn, sink.id, "transactions_aborted", "coordinator", now,
+                               transactional_ids=[r.transactional_id for r in changed])
+            if failed:
+                repo.add_event(conn, sink.id, "abort_failed", "coordinator", now, failures=failed)
+
+        self._tx(record)
+        return AbortOutcome(aborted=[x.transactional_id for x in done], pending=list(failed))
+
+    def _parallel(self, fn: Callable[[Lease], T], items: Sequence[Lease]) -> list[T]:
+        if len(items) <= 1:
+            return [fn(x) for x in items]
+        return list(self._kafka_pool.map(fn, items))
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def list_checkpoints(
+        self, name: str, *, state: CheckpointState | None = None, before_batch: int | None = None, limit: int = 50
+    ) -> list[Checkpoint]:
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            stmt = select(checkpoints).where(
+                checkpoints.c.sink_id == sink.id, checkpoints.c.query_id == sink.lineage_query_id
+            )
+            if state is not None:
+                stmt = stmt.where(checkpoints.c.state == state.value)
+            if before_batch is not None:
+                stmt = stmt.where(checkpoints.c.batch_id < before_batch)
+            rows = conn.execute(stmt.order_by(checkpoints.c.batch_id.desc()).limit(limit))
+            return [repo.as_checkpoint(r) for r in rows]
+
+    def checkpoint_detail(self, name: str, batch_id: int) -> CheckpointDetail:
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            cp = repo.checkpoint_for(conn, sink, batch_id)
+            return CheckpointDetail(
+                checkpoint=cp,
+                attempts=repo.attempts_of_checkpoint(conn, cp.id),
+                leases=repo.leases_where(conn, leases.c.checkpoint_id == cp.id),
+            )
+
+    def possibly_open_transactions(self, name: str) -> list[Lease]:
+        """Every lease whose transactional id may hold an unresolved transaction on the broker."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            return repo.leases_where(
+                conn, leases.c.sink_id == sink.id, leases.c.state.in_([s.value for s in UNRESOLVED_LEASE_STATES])
+            )
+
+    def list_events(
+        self, name: str, *, after_id: int = 0, batch_id: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            stmt = select(events, checkpoints.c.batch_id).outerjoin(checkpoints, events.c.checkpoint_id == checkpoints.c.id)
+            stmt = stmt.where(events.c.sink_id == sink.id, events.c.id > after_id)
+            if batch_id is not None:
+                stmt = stmt.where(events.c.checkpoint_id == repo.checkpoint_for(conn, sink, batch_id).id)
+            return [dict(r._mapping) for r in conn.execute(stmt.order_by(events.c.id).limit(limit))]
+
+    def snapshot(self) -> Snapshot:
+        with self.engine.connect() as conn:
+            return repo.snapshot(conn)
+
+
+def _target(sink: Sink) -> KafkaTarget:
+    return KafkaTarget(sink.name, sink.bootstrap_servers, sink.transaction_timeout_ms)

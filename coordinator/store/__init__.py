@@ -1,0 +1,1 @@
+"""Postgres storage: schema, engine and migrations, reads and compare-and-set writes."""

@@ -1,0 +1,51 @@
+"""Engine creation and schema migrations (Alembic, run programmatically)."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine
+
+
+def sqlalchemy_url(url: str) -> str:
+    """Accept plain postgres URLs and use the psycopg 3 driver for them."""
+    for plain in ("postgresql://", "postgres://"):
+        if url.startswith(plain):
+            return "postgresql+psycopg://" + url[len(plain):]
+    return url
+
+
+def make_engine(url: str, pool_size: int = 20) -> Engine:
+    return create_engine(
+        sqlalchemy_url(url),
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        pool_recycle=1800,
+    )
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(str(files("migrations")))))
+    cfg.set_main_option("sqlalchemy.url", sqlalchemy_url(url).replace("%", "%%"))
+    return cfg
+
+
+def migrate(url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def schema_is_current(engine: Engine) -> bool:
+    head = ScriptDirectory.from_config(alembic_config(engine.url.render_as_string(hide_password=False))).get_current_head()
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision() == head

@@ -1,0 +1,230 @@
+"""Reads and compare-and-set writes on the tables, shared by the service's operations.
+
+Lock order, to keep concurrent calls free of deadlocks: sink -> checkpoint -> attempt -> lease ->
+transactional id. Every state change goes through `cas`, which checks the move against the state
+machine and updates only rows still in the expected old state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import Connection, Row, Table, func, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from ..protocol import errors as e
+from ..protocol.invariants import Snapshot
+from ..protocol.model import Attempt, Checkpoint, Lease, Sink, TransactionalId
+from ..protocol.states import AttemptState, CheckpointState, LeaseState, TransactionalIdState, require_transition
+from .tables import attempts, checkpoints, events, leases, sinks, transactional_ids
+
+
+def cas(
+    conn: Connection,
+    table: Table,
+    ids: Iterable[int],
+    old: Iterable[StrEnum],
+    new: StrEnum,
+    *,
+    where: Sequence[Any] = (),
+    **values: Any,
+) -> list[Row]:
+    """UPDATE table SET state=new WHERE id IN ids AND state IN old; returns the rows it changed."""
+    ids = list(ids)
+    old = list(old)
+    for state in old:
+        require_transition(state, new)
+    if not ids:
+        return []
+    stmt = (
+        update(table)
+        .where(table.c.id.in_(ids), table.c.state.in_([str(s) for s in old]), *where)
+        .values(state=str(new), **values)
+        .returning(*table.c)
+    )
+    return list(conn.execute(stmt))
+
+
+def add_event(
+    conn: Connection,
+    sink_id: int,
+    kind: str,
+    actor: str,
+    at: datetime,
+    checkpoint_id: int | None = None,
+    **detail: Any,
+) -> None:
+    conn.execute(
+        insert(events).values(
+            sink_id=sink_id, checkpoint_id=checkpoint_id, at=at, kind=kind, actor=actor, detail=detail
+        )
+    )
+
+
+# --- typed reads -----------------------------------------------------------------------------
+
+
+def _as_sink(row: Row) -> Sink:
+    return Sink.from_mapping(row._mapping)
+
+
+def as_checkpoint(row: Row) -> Checkpoint:
+    m = dict(row._mapping)
+    m["state"] = CheckpointState(m["state"])
+    return Checkpoint.from_mapping(m)
+
+
+def as_attempt(row: Row) -> Attempt:
+    m = dict(row._mapping)
+    m["state"] = AttemptState(m["state"])
+    return Attempt.from_mapping(m)
+
+
+def as_lease(row: Row) -> Lease:
+    m = dict(row._mapping)
+    m["state"] = LeaseState(m["state"])
+    return Lease.from_mapping(m)
+
+
+def as_transactional_id(row: Row) -> TransactionalId:
+    m = dict(row._mapping)
+    m["state"] = TransactionalIdState(m["state"])
+    return TransactionalId.from_mapping(m)
+
+
+def sink_by_name(conn: Connection, name: str, lock: str | None = None) -> Sink:
+    stmt = select(sinks).where(sinks.c.name == name)
+    if lock == "update":
+        stmt = stmt.with_for_update()
+    elif lock == "share":
+        stmt = stmt.with_for_update(read=True)
+    row = conn.execute(stmt).first()
+    if row is None:
+        raise e.NotFound("unknown_sink", f"no sink named {name!r}", sink=name)
+    return _as_sink(row)
+
+
+def checkpoint_for(
+    conn: Connection, sink: Sink, batch_id: int, *, query_id: str | None = None, lock: bool = False
+) -> Checkpoint:
+    qid = query_id if query_id is not None else sink.lineage_query_id
+    stmt = select(checkpoints).where(
+        checkpoints.c.sink_id == sink.id, checkpoints.c.query_id == qid, checkpoints.c.batch_id == batch_id
+    )
+    if lock:
+        stmt = stmt.with_for_update()
+    row = conn.execute(stmt).first() if qid is not None else None
+    if row is None:
+        raise e.NotFound("unknown_checkpoint", f"sink {sink.name!r} has no checkpoint for batch {batch_id}", batch_id=batch_id)
+    return as_checkpoint(row)
+
+
+def attempt_of(conn: Connection, checkpoint_id: int, number: int, lock: str | None = None) -> Attempt:
+    stmt = select(attempts).where(attempts.c.checkpoint_id == checkpoint_id, attempts.c.number == number)
+    if lock == "update":
+        stmt = stmt.with_for_update()
+    elif lock == "key_share":
+        stmt = stmt.with_for_update(read=True, key_share=True)
+    row = conn.execute(stmt).first()
+    if row is None:
+        raise e.NotFound("unknown_attempt", f"checkpoint has no attempt {number}", attempt=number)
+    return as_attempt(row)
+
+
+def attempt_by_id(conn: Connection, attempt_id: int, lock: str | None = None) -> Attempt:
+    stmt = select(attempts).where(attempts.c.id == attempt_id)
+    if lock == "key_share":
+        stmt = stmt.with_for_update(read=True, key_share=True)
+    return as_attempt(conn.execute(stmt).one())
+
+
+def attempts_of_checkpoint(conn: Connection, checkpoint_id: int) -> list[Attempt]:
+    rows = conn.execute(select(attempts).where(attempts.c.checkpoint_id == checkpoint_id).order_by(attempts.c.number))
+    return [as_attempt(r) for r in rows]
+
+
+def leases_where(conn: Connection, *conditions: Any, lock: bool = False) -> list[Lease]:
+    stmt = select(leases).where(*conditions).order_by(leases.c.id)
+    if lock:
+        stmt = stmt.with_for_update()
+    return [as_lease(r) for r in conn.execute(stmt)]
+
+
+def lease_by_id(conn: Connection, sink: Sink, lease_id: int, lock: bool = False) -> Lease:
+    found = leases_where(conn, leases.c.id == lease_id, leases.c.sink_id == sink.id, lock=lock)
+    if not found:
+        raise e.NotFound("unknown_lease", f"sink {sink.name!r} has no lease {lease_id}", lease_id=lease_id)
+    return found[0]
+
+
+# --- the transactional id pool ---------------------------------------------------------------
+
+
+def take_free_transactional_id(conn: Connection, sink: Sink, prefix_for: Any) -> tuple[int, str]:
+    """Lock the lowest FREE id of the sink (SKIP LOCKED, so concurrent executors never wait on each
+    other), or grow the pool by one. The row stays locked by this transaction until it commits."""
+    for _ in range(64):
+        row = conn.execute(
+            select(transactional_ids.c.id, transactional_ids.c.transactional_id)
+            .where(transactional_ids.c.sink_id == sink.id, transactional_ids.c.state == TransactionalIdState.FREE.value)
+            .order_by(transactional_ids.c.ordinal)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+        ).first()
+        if row is not None:
+            return row.id, row.transactional_id
+        size, next_ordinal = conn.execute(
+            select(func.count(), func.coalesce(func.max(transactional_ids.c.ordinal) + 1, 0)).where(
+                transactional_ids.c.sink_id == sink.id
+            )
+        ).one()
+        if size >= sink.max_pool_size:
+            raise e.Unavailable(
+                e.POOL_EXHAUSTED,
+                f"sink {sink.name!r} has all {sink.max_pool_size} transactional ids leased or awaiting "
+                "abort; retry later, or raise max_pool_size if partitions x task attempts need more",
+                max_pool_size=sink.max_pool_size,
+            )
+        tid = prefix_for(next_ordinal)
+        new = conn.execute(
+            pg_insert(transactional_ids)
+            .values(sink_id=sink.id, ordinal=next_ordinal, transactional_id=tid, state=TransactionalIdState.FREE.value)
+            .on_conflict_do_nothing()
+            .returning(transactional_ids.c.id)
+        ).first()
+        if new is not None:
+            return new.id, tid
+    raise e.Unavailable(e.POOL_EXHAUSTED, "could not take a transactional id under contention; retry")
+
+
+def release_transactional_ids(conn: Connection, lease_ids: Sequence[int]) -> None:
+    """The leases are resolved (committed or aborted on Kafka): their ids may be leased again."""
+    if not lease_ids:
+        return
+    require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
+    conn.execute(
+        update(transactional_ids)
+        .where(
+            transactional_ids.c.lease_id.in_(list(lease_ids)),
+            transactional_ids.c.state == TransactionalIdState.LEASED.value,
+        )
+        .values(state=TransactionalIdState.FREE.value, lease_id=None)
+    )
+
+
+# --- whole-state snapshot (tests, invariant checks, simulation) ----------------------------------
+
+
+def snapshot(conn: Connection) -> Snapshot:
+    return Snapshot(
+        sinks=[_as_sink(r) for r in conn.execute(select(sinks).order_by(sinks.c.id))],
+        checkpoints=[as_checkpoint(r) for r in conn.execute(select(checkpoints).order_by(checkpoints.c.id))],
+        attempts=[as_attempt(r) for r in conn.execute(select(attempts).order_by(attempts.c.id))],
+        leases=[as_lease(r) for r in conn.execute(select(leases).order_by(leases.c.id))],
+        transactional_ids=[
+            as_transactional_id(r) for r in conn.execute(select(transactional_ids).order_by(transactional_ids.c.id))
+        ],
+    )

@@ -1,0 +1,153 @@
+"""The schema, as SQLAlchemy Core tables. Alembic's migrations create exactly this (a test checks
+that the migrated database and this metadata agree)."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+TS = DateTime(timezone=True)
+
+sinks = Table(
+    "sinks",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("name", String(100), nullable=False, unique=True),
+    Column("transactional_id_prefix", String(200), nullable=False, unique=True),
+    Column("bootstrap_servers", String(2000), nullable=False),
+    Column("topics", JSONB, nullable=False),
+    Column("transaction_timeout_ms", Integer, nullable=False),
+    Column("commit_margin_ms", Integer, nullable=False),
+    Column("max_pool_size", Integer, nullable=False),
+    Column("generation", Integer, nullable=False, server_default=text("0")),
+    Column("lineage_query_id", String(100), nullable=True),
+    Column("writer_token_version", Integer, nullable=False, server_default=text("1")),
+    Column("created_at", TS, nullable=False),
+)
+
+generations = Table(
+    "generations",
+    metadata,
+    Column("sink_id", BigInteger, ForeignKey("sinks.id"), primary_key=True),
+    Column("generation", Integer, primary_key=True),
+    Column("query_id", String(100), nullable=False),
+    Column("run_id", String(100), nullable=False),
+    Column("started_at", TS, nullable=False),
+    UniqueConstraint("sink_id", "run_id"),
+)
+
+checkpoints = Table(
+    "checkpoints",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("sink_id", BigInteger, ForeignKey("sinks.id"), nullable=False),
+    Column("query_id", String(100), nullable=False),
+    Column("batch_id", BigInteger, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("current_attempt", Integer, nullable=False, server_default=text("0")),
+    Column("committed_attempt", Integer, nullable=True),
+    Column("created_at", TS, nullable=False),
+    Column("decided_at", TS, nullable=True),
+    Column("committed_at", TS, nullable=True),
+    UniqueConstraint("sink_id", "query_id", "batch_id"),
+    # the recovery loop looks for COMMITTING checkpoints; listing by state per sink
+    Index(None, "sink_id", "state", "batch_id"),
+)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("checkpoint_id", BigInteger, ForeignKey("checkpoints.id"), nullable=False),
+    Column("sink_id", BigInteger, ForeignKey("sinks.id"), nullable=False),
+    Column("number", Integer, nullable=False),
+    Column("generation", Integer, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("partitions", Integer, nullable=True),
+    Column("started_at", TS, nullable=False),
+    Column("decided_at", TS, nullable=True),
+    Column("finished_at", TS, nullable=True),
+    Column("abort_reason", String(200), nullable=True),
+    UniqueConstraint("checkpoint_id", "number"),
+    # "every open attempt of this sink" at begin checkpoint and generation start
+    Index("ix_attempts_open", "sink_id", postgresql_where=text("state = 'OPEN'")),
+)
+
+transactional_ids = Table(
+    "transactional_ids",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("sink_id", BigInteger, ForeignKey("sinks.id"), nullable=False),
+    Column("ordinal", Integer, nullable=False),
+    Column("transactional_id", String(255), nullable=False, unique=True),
+    Column("state", String(16), nullable=False),
+    Column("lease_id", BigInteger, nullable=True),
+    UniqueConstraint("sink_id", "ordinal"),
+    # the pool's hot query: lowest free ordinal, FOR UPDATE SKIP LOCKED
+    Index("ix_transactional_ids_free", "sink_id", "ordinal", postgresql_where=text("state = 'FREE'")),
+)
+
+leases = Table(
+    "leases",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("sink_id", BigInteger, ForeignKey("sinks.id"), nullable=False),
+    Column("checkpoint_id", BigInteger, ForeignKey("checkpoints.id"), nullable=False),
+    Column("attempt_id", BigInteger, ForeignKey("attempts.id"), nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("task_attempt_id", BigInteger, nullable=False),
+    Column("transactional_id", String(255), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("leased_at", TS, nullable=False),
+    Column("deadline_at", TS, nullable=False),
+    Column("producer_id", BigInteger, nullable=True),
+    Column("producer_epoch", Integer, nullable=True),
+    Column("records", BigInteger, nullable=True),
+    Column("bytes", BigInteger, nullable=True),
+    Column("precommitted_at", TS, nullable=True),
+    Column("resolved_at", TS, nullable=True),
+    UniqueConstraint("attempt_id", "partition", "task_attempt_id"),
+    Index(None, "checkpoint_id"),
+    # transactions that may be open on the broker: the recovery loop, scale-down, the dashboard
+    Index(
+        "ix_leases_unresolved",
+        "sink_id",
+        "state",
+        postgresql_where=text("state IN ('LEASED', 'PRECOMMITTED', 'COMMITTING', 'ABORTING')"),
+    ),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("sink_id", BigInteger, ForeignKey("sinks.id"), nullable=False),
+    Column("checkpoint_id", BigInteger, ForeignKey("checkpoints.id"), nullable=True),
+    Column("at", TS, nullable=False),
+    Column("kind", String(64), nullable=False),
+    Column("actor", String(200), nullable=False),
+    Column("detail", JSONB, nullable=False),
+    Index(None, "sink_id", "id"),
+    Index(None, "checkpoint_id", postgresql_where=text("checkpoint_id IS NOT NULL")),
+)

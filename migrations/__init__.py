@@ -1,0 +1,1 @@
+"""Alembic migrations of the coordinator's schema (run by `coordinator migrate`)."""

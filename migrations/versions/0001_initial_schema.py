@@ -1,0 +1,150 @@
+"""initial schema: sinks, generations, checkpoints, attempts, transactional ids, leases, events
+
+Revision ID: 0001
+Revises: 
+Create Date: 2026-11-21 05:40:24.538044
+"""
+
+from __future__ import annotations
+
+from alembic import op
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+revision = '0001'
+down_revision = None
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table('sinks',
+    sa.Column('id', sa.BigInteger(), nullable=False),
+    sa.Column('name', sa.String(length=100), nullable=False),
+    sa.Column('transactional_id_prefix', sa.String(length=200), nullable=False),
+    sa.Column('bootstrap_servers', sa.String(length=2000), nullable=False),
+    sa.Column('topics', postgresql.JSONB(astext_type=sa.Text()), nullable=False),
+    sa.Column('transaction_timeout_ms', sa.Integer(), nullable=False),
+    sa.Column('commit_margin_ms', sa.Integer(), nullable=False),
+    sa.Column('max_pool_size', sa.Integer(), nullable=False),
+    sa.Column('generation', sa.Integer(), server_default=sa.text('0'), nullable=False),
+    sa.Column('lineage_query_id', sa.String(length=100), nullable=True),
+    sa.Column('writer_token_version', sa.Integer(), server_default=sa.text('1'), nullable=False),
+    sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_sinks')),
+    sa.UniqueConstraint('name', name=op.f('uq_sinks_name')),
+    sa.UniqueConstraint('transactional_id_prefix', name=op.f('uq_sinks_transactional_id_prefix'))
+    )
+    op.create_table('checkpoints',
+    sa.Column('id', sa.BigInteger(), nullable=False),
+    sa.Column('sink_id', sa.BigInteger(), nullable=False),
+    sa.Column('query_id', sa.String(length=100), nullable=False),
+    sa.Column('batch_id', sa.BigInteger(), nullable=False),
+    sa.Column('state', sa.String(length=16), nullable=False),
+    sa.Column('current_attempt', sa.Integer(), server_default=sa.text('0'), nullable=False),
+    sa.Column('committed_attempt', sa.Integer(), nullable=True),
+    sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('decided_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('committed_at', sa.DateTime(timezone=True), nullable=True),
+    sa.ForeignKeyConstraint(['sink_id'], ['sinks.id'], name=op.f('fk_checkpoints_sink_id_sinks')),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_checkpoints')),
+    sa.UniqueConstraint('sink_id', 'query_id', 'batch_id', name=op.f('uq_checkpoints_sink_id_query_id_batch_id'))
+    )
+    op.create_index(op.f('ix_checkpoints_sink_id_state_batch_id'), 'checkpoints', ['sink_id', 'state', 'batch_id'], unique=False)
+    op.create_table('generations',
+    sa.Column('sink_id', sa.BigInteger(), nullable=False),
+    sa.Column('generation', sa.Integer(), nullable=False),
+    sa.Column('query_id', sa.String(length=100), nullable=False),
+    sa.Column('run_id', sa.String(length=100), nullable=False),
+    sa.Column('started_at', sa.DateTime(timezone=True), nullable=False),
+    sa.ForeignKeyConstraint(['sink_id'], ['sinks.id'], name=op.f('fk_generations_sink_id_sinks')),
+    sa.PrimaryKeyConstraint('sink_id', 'generation', name=op.f('pk_generations')),
+    sa.UniqueConstraint('sink_id', 'run_id', name=op.f('uq_generations_sink_id_run_id'))
+    )
+    op.create_table('transactional_ids',
+    sa.Column('id', sa.BigInteger(), nullable=False),
+    sa.Column('sink_id', sa.BigInteger(), nullable=False),
+    sa.Column('ordinal', sa.Integer(), nullable=False),
+    sa.Column('transactional_id', sa.String(length=255), nullable=False),
+    sa.Column('state', sa.String(length=16), nullable=False),
+    sa.Column('lease_id', sa.BigInteger(), nullable=True),
+    sa.ForeignKeyConstraint(['sink_id'], ['sinks.id'], name=op.f('fk_transactional_ids_sink_id_sinks')),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_transactional_ids')),
+    sa.UniqueConstraint('sink_id', 'ordinal', name=op.f('uq_transactional_ids_sink_id_ordinal')),
+    sa.UniqueConstraint('transactional_id', name=op.f('uq_transactional_ids_transactional_id'))
+    )
+    op.create_index('ix_transactional_ids_free', 'transactional_ids', ['sink_id', 'ordinal'], unique=False, postgresql_where=sa.text("state = 'FREE'"))
+    op.create_table('attempts',
+    sa.Column('id', sa.BigInteger(), nullable=False),
+    sa.Column('checkpoint_id', sa.BigInteger(), nullable=False),
+    sa.Column('sink_id', sa.BigInteger(), nullable=False),
+    sa.Column('number', sa.Integer(), nullable=False),
+    sa.Column('generation', sa.Integer(), nullable=False),
+    sa.Column('state', sa.String(length=16), nullable=False),
+    sa.Column('partitions', sa.Integer(), nullable=True),
+    sa.Column('started_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('decided_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('abort_reason', sa.String(length=200), nullable=True),
+    sa.ForeignKeyConstraint(['checkpoint_id'], ['checkpoints.id'], name=op.f('fk_attempts_checkpoint_id_checkpoints')),
+    sa.ForeignKeyConstraint(['sink_id'], ['sinks.id'], name=op.f('fk_attempts_sink_id_sinks')),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_attempts')),
+    sa.UniqueConstraint('checkpoint_id', 'number', name=op.f('uq_attempts_checkpoint_id_number'))
+    )
+    op.create_index('ix_attempts_open', 'attempts', ['sink_id'], unique=False, postgresql_where=sa.text("state = 'OPEN'"))
+    op.create_table('events',
+    sa.Column('id', sa.BigInteger(), nullable=False),
+    sa.Column('sink_id', sa.BigInteger(), nullable=False),
+    sa.Column('checkpoint_id', sa.BigInteger(), nullable=True),
+    sa.Column('at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('kind', sa.String(length=64), nullable=False),
+    sa.Column('actor', sa.String(length=200), nullable=False),
+    sa.Column('detail', postgresql.JSONB(astext_type=sa.Text()), nullable=False),
+    sa.ForeignKeyConstraint(['checkpoint_id'], ['checkpoints.id'], name=op.f('fk_events_checkpoint_id_checkpoints')),
+    sa.ForeignKeyConstraint(['sink_id'], ['sinks.id'], name=op.f('fk_events_sink_id_sinks')),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_events'))
+    )
+    op.create_index(op.f('ix_events_checkpoint_id'), 'events', ['checkpoint_id'], unique=False, postgresql_where=sa.text('checkpoint_id IS NOT NULL'))
+    op.create_index(op.f('ix_events_sink_id_id'), 'events', ['sink_id', 'id'], unique=False)
+    op.create_table('leases',
+    sa.Column('id', sa.BigInteger(), nullable=False),
+    sa.Column('sink_id', sa.BigInteger(), nullable=False),
+    sa.Column('checkpoint_id', sa.BigInteger(), nullable=False),
+    sa.Column('attempt_id', sa.BigInteger(), nullable=False),
+    sa.Column('partition', sa.Integer(), nullable=False),
+    sa.Column('task_attempt_id', sa.BigInteger(), nullable=False),
+    sa.Column('transactional_id', sa.String(length=255), nullable=False),
+    sa.Column('state', sa.String(length=16), nullable=False),
+    sa.Column('leased_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('deadline_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('producer_id', sa.BigInteger(), nullable=True),
+    sa.Column('producer_epoch', sa.Integer(), nullable=True),
+    sa.Column('records', sa.BigInteger(), nullable=True),
+    sa.Column('bytes', sa.BigInteger(), nullable=True),
+    sa.Column('precommitted_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('resolved_at', sa.DateTime(timezone=True), nullable=True),
+    sa.ForeignKeyConstraint(['attempt_id'], ['attempts.id'], name=op.f('fk_leases_attempt_id_attempts')),
+    sa.ForeignKeyConstraint(['checkpoint_id'], ['checkpoints.id'], name=op.f('fk_leases_checkpoint_id_checkpoints')),
+    sa.ForeignKeyConstraint(['sink_id'], ['sinks.id'], name=op.f('fk_leases_sink_id_sinks')),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_leases')),
+    sa.UniqueConstraint('attempt_id', 'partition', 'task_attempt_id', name=op.f('uq_leases_attempt_id_partition_task_attempt_id'))
+    )
+    op.create_index(op.f('ix_leases_checkpoint_id'), 'leases', ['checkpoint_id'], unique=False)
+    op.create_index('ix_leases_unresolved', 'leases', ['sink_id', 'state'], unique=False, postgresql_where=sa.text("state IN ('LEASED', 'PRECOMMITTED', 'COMMITTING', 'ABORTING')"))
+
+
+def downgrade() -> None:
+    op.drop_index('ix_leases_unresolved', table_name='leases', postgresql_where=sa.text("state IN ('LEASED', 'PRECOMMITTED', 'COMMITTING', 'ABORTING')"))
+    op.drop_index(op.f('ix_leases_checkpoint_id'), table_name='leases')
+    op.drop_table('leases')
+    op.drop_index(op.f('ix_events_sink_id_id'), table_name='events')
+    op.drop_index(op.f('ix_events_checkpoint_id'), table_name='events', postgresql_where=sa.text('checkpoint_id IS NOT NULL'))
+    op.drop_table('events')
+    op.drop_index('ix_attempts_open', table_name='attempts', postgresql_where=sa.text("state = 'OPEN'"))
+    op.drop_table('attempts')
+    op.drop_index('ix_transactional_ids_free', table_name='transactional_ids', postgresql_where=sa.text("state = 'FREE'"))
+    op.drop_table('transactional_ids')
+    op.drop_table('generations')
+    op.drop_index(op.f('ix_checkpoints_sink_id_state_batch_id'), table_name='checkpoints')
+    op.drop_table('checkpoints')
+    op.drop_table('sinks')

@@ -1,0 +1,292 @@
+"""REST API v1: a thin HTTP adapter over `Coordinator`. Authentication, input validation and the
+mapping of protocol errors to status codes live here; decisions do not."""
+
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from . import __version__
+from .auth import Principal, tokens_equal, writer_token
+from .protocol import errors as e
+from .protocol.model import PartitionResult, Sink
+from .protocol.rules import PrecommitRequest
+from .protocol.states import CheckpointState
+from .schemas import (
+    AbortOut,
+    AbortRequest,
+    AttemptOut,
+    BeginCheckpointRequest,
+    BeginOut,
+    CheckpointDetailOut,
+    CheckpointOut,
+    CommitOut,
+    CommitRequest,
+    ErrorOut,
+    EventOut,
+    GenerationOut,
+    GenerationRequest,
+    LeaseGranted,
+    LeaseOut,
+    LeaseRequest,
+    LineageReset,
+    PrecommitBody,
+    SinkOut,
+    SinkRegistered,
+    SinkRegistration,
+)
+from .service import Coordinator, SinkSpec
+from .store.db import schema_is_current
+
+log = logging.getLogger(__name__)
+
+SinkName = Annotated[str, Path(min_length=1, max_length=100)]
+BatchId = Annotated[int, Path(ge=0, le=2**63 - 1)]
+AttemptNo = Annotated[int, Path(ge=1)]
+LeaseId = Annotated[int, Path(ge=1)]
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    s: {"model": ErrorOut} for s in (401, 403, 404, 409, 503)
+}
+
+
+class _SinkTokenCache:
+    """name -> (id, token version), kept a few seconds so a protocol call authenticates without a
+    second database round trip. Rotation in this process invalidates at once; in others after ttl."""
+
+    def __init__(self, ttl_s: float = 5.0) -> None:
+        self.ttl_s = ttl_s
+        self._entries: dict[str, tuple[float, int, int]] = {}
+
+    def get(self, name: str, load: Callable[[str], Sink]) -> tuple[int, int]:
+        hit = self._entries.get(name)
+        if hit is not None and time.monotonic() - hit[0] < self.ttl_s:
+            return hit[1], hit[2]
+        sink = load(name)
+        self._entries[name] = (time.monotonic(), sink.id, sink.writer_token_version)
+        return sink.id, sink.writer_token_version
+
+    def forget(self, name: str) -> None:
+        self._entries.pop(name, None)
+
+
+def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: bytes) -> FastAPI:
+    app = FastAPI(
+        title="Spark -> Kafka exactly-once transaction coordinator",
+        version=__version__,
+        description="Two-phase commit of Kafka transactions tied to Spark micro-batches. "
+        "Authenticate with `Authorization: Bearer <token>`: the admin token for sink management "
+        "and operator actions, a sink's writer token for its protocol calls.",
+    )
+    app.state.coordinator = coordinator
+    cache = _SinkTokenCache()
+
+    # --- errors ------------------------------------------------------------------------------
+
+    @app.exception_handler(e.ProtocolError)
+    async def protocol_error(_: Request, exc: e.ProtocolError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status, content={"error": exc.to_dict()})
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        fields = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"] if p not in ("body", "path", "query"))
+            fields.append({"field": loc, "message": err["msg"]})
+        message = "; ".join(f"{f['field'] or 'body'}: {f['message']}" for f in fields)
+        return JSONResponse(
+            status_code=422,
+            content={"error": {"reason": "invalid_request", "message": message, "detail": {"fields": fields}}},
+        )
+
+    # --- authentication ----------------------------------------------------------------------
+
+    def bearer(authorization: Annotated[str | None, Header()] = None) -> str:
+        if not authorization or not authorization.startswith("Bearer "):
+            raise _Unauthorized()
+        return authorization[len("Bearer "):].strip()
+
+    def admin(token: Annotated[str, Depends(bearer)]) -> Principal:
+        if not tokens_equal(token, admin_token):
+            raise _Forbidden("this action needs the admin token")
+        return Principal(is_admin=True)
+
+    def writer(name: SinkName, token: Annotated[str, Depends(bearer)]) -> Principal:
+        """The sink's writer token, or the admin token."""
+        if tokens_equal(token, admin_token):
+            return Principal(is_admin=True)
+        try:
+            sink_id, version = cache.get(name, coordinator.get_sink)
+        except e.NotFound:
+            raise _Forbidden(f"token is not valid for sink {name!r}") from None
+        if not tokens_equal(token, writer_token(token_secret, sink_id, version)):
+            raise _Forbidden(f"token is neither the admin token nor sink {name!r}'s writer token")
+        return Principal(is_admin=False, sink_name=name)
+
+    Admin = Annotated[Principal, Depends(admin)]
+    Writer = Annotated[Principal, Depends(writer)]
+
+    # --- health ------------------------------------------------------------------------------
+
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, str]:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], responses={503: {"model": ErrorOut}})
+    def readyz() -> JSONResponse:
+        """Readiness: the database answers and its schema is at the current migration."""
+        try:
+            current = schema_is_current(coordinator.engine)
+        except Exception as exc:  # any database failure means not ready
+            return JSONResponse(status_code=503, content={"error": {"reason": "database_unavailable", "message": str(exc)}})
+        if not current:
+            return JSONResponse(
+                status_code=503,
+                content={"error": {"reason": "schema_not_current", "message": "run `coordinator migrate`"}},
+            )
+        plane = coordinator.control_plane.name if coordinator.control_plane else "unconfigured"
+        return JSONResponse({"status": "ready", "kafka_control_plane": plane})
+
+    # --- sinks -------------------------------------------------------------------------------
+
+    def registered(sink: Sink) -> SinkRegistered:
+        return SinkRegistered(sink=SinkOut.of(sink), writer_token=writer_token(token_secret, sink.id, sink.writer_token_version))
+
+    @app.post("/v1/sinks", status_code=201, tags=["sinks"], responses=ERRORS)
+    def register_sink(body: SinkRegistration, who: Admin, response: Response) -> SinkRegistered:
+        """Register a sink (201). Registering the same configuration again returns the same sink and
+        writer token (200); a different configuration under the same name is a 409."""
+        sink, created = coordinator.register_sink(SinkSpec(**body.model_dump()), who.actor)
+        if not created:
+            response.status_code = 200
+        return registered(sink)
+
+    @app.get("/v1/sinks", tags=["sinks"], responses=ERRORS)
+    def list_sinks(_: Admin) -> list[SinkOut]:
+        return [SinkOut.of(s) for s in coordinator.list_sinks()]
+
+    @app.get("/v1/sinks/{name}", tags=["sinks"], responses=ERRORS)
+    def describe_sink(name: SinkName, _: Writer) -> SinkOut:
+        return SinkOut.of(coordinator.get_sink(name))
+
+    @app.post("/v1/sinks/{name}/writer-token", tags=["sinks"], responses=ERRORS)
+    def rotate_writer_token(name: SinkName, who: Admin) -> SinkRegistered:
+        """Issue a new writer token for the sink; the old one stops working."""
+        sink = coordinator.rotate_writer_token(name, who.actor)
+        cache.forget(name)
+        return registered(sink)
+
+    @app.post("/v1/sinks/{name}/generations", tags=["protocol"], responses=ERRORS)
+    def start_generation(name: SinkName, body: GenerationRequest, who: Writer) -> GenerationOut:
+        """A Spark query (re)started: returns a new generation that fences every older driver."""
+        gen, aborts = coordinator.start_generation(name, body.query_id, body.run_id, who.actor)
+        return GenerationOut(generation=gen, aborted=aborts.aborted, abort_pending=aborts.pending)
+
+    @app.post("/v1/sinks/{name}/lineage/reset", tags=["operator"], responses=ERRORS)
+    def reset_lineage(name: SinkName, body: LineageReset, who: Admin) -> SinkOut:
+        """Let a query started from a fresh checkpoint location take over this sink."""
+        return SinkOut.of(coordinator.reset_lineage(name, who.actor, body.reason))
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/begin", tags=["protocol"], responses=ERRORS)
+    def begin_checkpoint(name: SinkName, batch_id: BatchId, body: BeginCheckpointRequest, who: Writer) -> BeginOut:
+        return BeginOut.of(coordinator.begin_checkpoint(name, batch_id, body.generation, who.actor))
+
+    @app.post(
+        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/leases", tags=["protocol"], responses=ERRORS
+    )
+    def begin_partition(
+        name: SinkName, batch_id: BatchId, attempt: AttemptNo, body: LeaseRequest, _: Writer
+    ) -> LeaseGranted:
+        lease = coordinator.begin_partition(name, batch_id, attempt, body.generation, body.partition, body.task_attempt_id)
+        out = LeaseOut.of(lease, attempt)
+        timeout_ms = int((lease.deadline_at - lease.leased_at).total_seconds() * 1000)
+        return LeaseGranted(**out.model_dump(), transaction_timeout_ms=timeout_ms)
+
+    @app.post("/v1/sinks/{name}/leases/{lease_id}/precommit", tags=["protocol"], responses=ERRORS)
+    def precommit(name: SinkName, lease_id: LeaseId, body: PrecommitBody, _: Writer) -> LeaseOut:
+        req = PrecommitRequest(body.producer_id, body.producer_epoch, body.records, body.bytes)
+        return LeaseOut.of(coordinator.precommit(name, lease_id, body.generation, req))
+
+    @app.post(
+        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/commit", tags=["protocol"], responses=ERRORS
+    )
+    def commit(name: SinkName, batch_id: BatchId, attempt: AttemptNo, body: CommitRequest, who: Writer) -> CommitOut:
+        results = [PartitionResult(p.partition, p.lease_id) for p in body.partitions]
+        return CommitOut.of(coordinator.commit(name, batch_id, attempt, body.generation, results, who.actor))
+
+    @app.post(
+        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/abort", tags=["protocol"], responses=ERRORS
+    )
+    def abort(name: SinkName, batch_id: BatchId, attempt: AttemptNo, body: AbortRequest, who: Writer) -> AbortOut:
+        if not who.is_admin and body.generation is None:
+            raise e.Invalid("generation_required", "a writer must name its generation", field="generation")
+        result, outcome = coordinator.abort_attempt(name, batch_id, attempt, body.generation, body.reason, who.actor)
+        return AbortOut.of(result, outcome)
+
+    @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/resume", tags=["protocol"], responses=ERRORS)
+    def resume(name: SinkName, batch_id: BatchId, _: Writer) -> CommitOut:
+        """Finish a decided commit; answers from the record if it is already finished."""
+        return CommitOut.of(coordinator.resume(name, batch_id))
+
+    # --- reads -------------------------------------------------------------------------------
+
+    @app.get("/v1/sinks/{name}/checkpoints", tags=["reads"], responses=ERRORS)
+    def list_checkpoints(
+        name: SinkName,
+        _: Writer,
+        state: CheckpointState | None = None,
+        before_batch: Annotated[int | None, Query(ge=0)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    ) -> list[CheckpointOut]:
+        """Checkpoints of the sink's current lineage, newest first; page with before_batch."""
+        return [CheckpointOut.of(c) for c in coordinator.list_checkpoints(name, state=state, before_batch=before_batch, limit=limit)]
+
+    @app.get("/v1/sinks/{name}/checkpoints/{batch_id}", tags=["reads"], responses=ERRORS)
+    def checkpoint_detail(name: SinkName, batch_id: BatchId, _: Writer) -> CheckpointDetailOut:
+        d = coordinator.checkpoint_detail(name, batch_id)
+        number = {a.id: a.number for a in d.attempts}
+        return CheckpointDetailOut(
+            checkpoint=CheckpointOut.of(d.checkpoint),
+            attempts=[AttemptOut.of(a) for a in d.attempts],
+            leases=[LeaseOut.of(x, number[x.attempt_id]) for x in d.leases],
+        )
+
+    @app.get("/v1/sinks/{name}/transactions/open", tags=["reads"], responses=ERRORS)
+    def open_transactions(name: SinkName, _: Writer) -> list[LeaseOut]:
+        """Every transactional id that may hold an unresolved transaction, with its lease."""
+        return [LeaseOut.of(x) for x in coordinator.possibly_open_transactions(name)]
+
+    @app.get("/v1/sinks/{name}/events", tags=["reads"], responses=ERRORS)
+    def list_events(
+        name: SinkName,
+        _: Writer,
+        after_id: Annotated[int, Query(ge=0)] = 0,
+        batch_id: Annotated[int | None, Query(ge=0)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[EventOut]:
+        """The audit trail, oldest first; page with after_id."""
+        return [EventOut(**ev) for ev in coordinator.list_events(name, after_id=after_id, batch_id=batch_id, limit=limit)]
+
+    return app
+
+
+class _Unauthorized(e.ProtocolError):
+    status = 401
+
+    def __init__(self) -> None:
+        super().__init__("unauthenticated", "send `Authorization: Bearer <token>`")
+
+
+class _Forbidden(e.ProtocolError):
+    status = 403
+
+    def __init__(self, message: str) -> None:
+        super().__init__("forbidden", message)

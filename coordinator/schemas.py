@@ -1,0 +1,262 @@
+"""Request and response bodies of REST API v1. Requests forbid unknown fields so a misspelt field
+is a 422 naming it, not a silently ignored option."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .protocol.model import Attempt, Checkpoint, Lease, Sink
+from .service import AbortOutcome, BeginResult, CommitResult
+
+Id = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._:-]+$")]
+Generation = Annotated[int, Field(ge=1, le=2**31 - 1, description="the generation returned by start-generation")]
+Reason = Annotated[str, Field(min_length=1, max_length=500)]
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+class SinkRegistration(Request):
+    name: Annotated[str, Field(min_length=1, max_length=100)]
+    transactional_id_prefix: Annotated[str, Field(min_length=1, max_length=200)]
+    bootstrap_servers: Annotated[str, Field(min_length=1, max_length=2000)]
+    topics: Annotated[list[Annotated[str, Field(min_length=1, max_length=249)]], Field(max_length=100)] = []
+    transaction_timeout_ms: Annotated[int, Field(ge=1_000, le=86_400_000)] = 60_000
+    commit_margin_ms: Annotated[int | None, Field(ge=0)] = None
+    max_pool_size: Annotated[int | None, Field(ge=1, le=1_000_000)] = None
+
+
+class GenerationRequest(Request):
+    query_id: Id = Field(description="Spark's query id, kept in the checkpoint location's metadata file")
+    run_id: Id = Field(description="Spark's run id, new at every start of the query")
+
+
+class LineageReset(Request):
+    reason: Reason
+
+
+class BeginCheckpointRequest(Request):
+    generation: Generation
+
+
+class LeaseRequest(Request):
+    generation: Generation
+    partition: Annotated[int, Field(ge=0)]
+    task_attempt_id: Annotated[int, Field(ge=0, le=2**63 - 1, description="Spark's TaskContext.taskAttemptId()")]
+
+
+class PrecommitBody(Request):
+    generation: Generation
+    producer_id: Annotated[int, Field(ge=0, le=2**63 - 1)]
+    producer_epoch: Annotated[int, Field(ge=0, le=32767)]
+    records: Annotated[int, Field(ge=1, description="an empty partition takes no lease and never pre-commits")]
+    bytes: Annotated[int, Field(ge=0)]
+
+
+class PartitionResultBody(Request):
+    partition: Annotated[int, Field(ge=0)]
+    lease_id: Annotated[int | None, Field(ge=1, description="the winning lease; null for an empty partition")]
+
+
+class CommitRequest(Request):
+    generation: Generation
+    partitions: list[PartitionResultBody] = Field(description="every partition 0..N-1 of the attempt, once")
+
+
+class AbortRequest(Request):
+    generation: Generation | None = Field(None, description="required for writer tokens; operators may omit it")
+    reason: Reason = "aborted_by_driver"
+
+
+# --- responses ---------------------------------------------------------------------------------
+
+
+class SinkOut(BaseModel):
+    name: str
+    transactional_id_prefix: str
+    bootstrap_servers: str
+    topics: list[str]
+    transaction_timeout_ms: int
+    commit_margin_ms: int
+    max_pool_size: int
+    generation: int
+    lineage_query_id: str | None
+    created_at: datetime
+
+    @classmethod
+    def of(cls, s: Sink) -> SinkOut:
+        return cls(**{k: getattr(s, k) for k in cls.model_fields})
+
+
+class SinkRegistered(BaseModel):
+    sink: SinkOut
+    writer_token: str = Field(description="bearer token for this sink's protocol calls; keep it secret")
+
+
+class GenerationOut(BaseModel):
+    generation: int
+    aborted: list[str]
+    abort_pending: list[str]
+
+
+class AttemptOut(BaseModel):
+    number: int
+    generation: int
+    state: str
+    partitions: int | None
+    started_at: datetime
+    decided_at: datetime | None
+    finished_at: datetime | None
+    abort_reason: str | None
+
+    @classmethod
+    def of(cls, a: Attempt) -> AttemptOut:
+        return cls(**{k: getattr(a, k) for k in cls.model_fields})
+
+
+class CheckpointOut(BaseModel):
+    batch_id: int
+    query_id: str
+    state: str
+    current_attempt: int
+    committed_attempt: int | None
+    created_at: datetime
+    decided_at: datetime | None
+    committed_at: datetime | None
+
+    @classmethod
+    def of(cls, c: Checkpoint) -> CheckpointOut:
+        return cls(**{k: getattr(c, k) for k in cls.model_fields})
+
+
+class LeaseOut(BaseModel):
+    lease_id: int
+    attempt: int | None = None
+    partition: int
+    task_attempt_id: int
+    transactional_id: str
+    state: str
+    leased_at: datetime
+    deadline_at: datetime
+    producer_id: int | None
+    producer_epoch: int | None
+    records: int | None
+    bytes: int | None
+    precommitted_at: datetime | None
+    resolved_at: datetime | None
+
+    @classmethod
+    def of(cls, x: Lease, attempt: int | None = None) -> LeaseOut:
+        fields = {k: getattr(x, k) for k in cls.model_fields if k not in ("lease_id", "attempt")}
+        return cls(lease_id=x.id, attempt=attempt, **fields)
+
+
+class LeaseGranted(LeaseOut):
+    transaction_timeout_ms: int
+
+
+class BeginOut(BaseModel):
+    action: str = Field(description="write: write under `attempt`; skip: batch already committed")
+    batch_id: int
+    state: str
+    attempt: int | None
+    resumed: bool = Field(description="a decided but unfinished commit was finished by this call")
+    aborted: list[str] = Field(description="transactional ids of older attempts aborted")
+    abort_pending: list[str] = Field(description="transactional ids of older attempts still to abort")
+
+    @classmethod
+    def of(cls, r: BeginResult) -> BeginOut:
+        return cls(
+            action="write" if r.must_write else "skip",
+            batch_id=r.checkpoint.batch_id,
+            state=r.checkpoint.state,
+            attempt=r.attempt.number if r.attempt else None,
+            resumed=r.action == "resume",
+            aborted=r.older_aborted,
+            abort_pending=r.older_abort_pending,
+        )
+
+
+class CommittedPartition(BaseModel):
+    partition: int
+    lease_id: int
+    transactional_id: str
+    producer_id: int | None
+    producer_epoch: int | None
+    records: int | None
+    bytes: int | None
+
+
+class CommitOut(BaseModel):
+    batch_id: int
+    state: str
+    attempt: int
+    committed: list[CommittedPartition]
+    aborted: list[str]
+    abort_pending: list[str]
+    warnings: list[str]
+
+    @classmethod
+    def of(cls, r: CommitResult) -> CommitOut:
+        return cls(
+            batch_id=r.checkpoint.batch_id,
+            state=r.checkpoint.state,
+            attempt=r.attempt.number,
+            committed=[
+                CommittedPartition(
+                    partition=w.partition,
+                    lease_id=w.id,
+                    transactional_id=w.transactional_id,
+                    producer_id=w.producer_id,
+                    producer_epoch=w.producer_epoch,
+                    records=w.records,
+                    bytes=w.bytes,
+                )
+                for w in sorted(r.winners, key=lambda w: w.partition)
+            ],
+            aborted=r.aborts.aborted,
+            abort_pending=r.aborts.pending,
+            warnings=r.warnings,
+        )
+
+
+class AbortOut(BaseModel):
+    attempt: AttemptOut
+    aborted: list[str]
+    abort_pending: list[str]
+
+    @classmethod
+    def of(cls, attempt: Attempt, outcome: AbortOutcome) -> AbortOut:
+        return cls(attempt=AttemptOut.of(attempt), aborted=outcome.aborted, abort_pending=outcome.pending)
+
+
+class CheckpointDetailOut(BaseModel):
+    checkpoint: CheckpointOut
+    attempts: list[AttemptOut]
+    leases: list[LeaseOut]
+
+
+class EventOut(BaseModel):
+    id: int
+    at: datetime
+    kind: str
+    actor: str
+    batch_id: int | None
+    detail: dict[str, Any]
+
+
+class ErrorBody(BaseModel):
+    reason: str
+    message: str
+    detail: dict[str, Any] | None = None
+
+
+class ErrorOut(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,43 @@
+"""Configuration from the environment (prefix COORDINATOR_), read once at start-up."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="COORDINATOR_", extra="ignore")
+
+    # Postgres URL (postgresql://user:pass@host:5432/db). Unset: `coordinator serve` starts an
+    # embedded Postgres in data_dir.
+    database_url: str | None = None
+    data_dir: Path = Path(".coordinator-data")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    workers: int = Field(1, ge=1, le=64)
+    # Required with an external database. Unset with the embedded one: generated once and kept
+    # in data_dir/admin-token.
+    admin_token: SecretStr | None = None
+    # Key from which per-sink writer tokens are derived; defaults to one derived from the admin
+    # token (then rotating the admin token rotates every writer token too).
+    token_secret: SecretStr | None = None
+    # How the coordinator acts on Kafka. Unset: commits are refused (503) until one is set.
+    # "none": record-only test mode that never touches Kafka.
+    kafka_control_plane: Literal["none"] | None = None
+    max_partitions: int = Field(4096, ge=1, le=100_000)
+    broker_max_transaction_timeout_ms: int = Field(900_000, ge=1_000)
+    restart_budget_ms: int = Field(60_000, ge=0)
+    db_pool_size: int = Field(20, ge=1, le=500)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def writer_token_secret(self) -> bytes:
+        if self.token_secret is not None:
+            return self.token_secret.get_secret_value().encode()
+        if self.admin_token is None:
+            raise ValueError("COORDINATOR_ADMIN_TOKEN (or COORDINATOR_TOKEN_SECRET) must be set")
+        return hashlib.sha256(b"writer-token-secret:" + self.admin_token.get_secret_value().encode()).digest()

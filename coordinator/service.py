@@ -261,7 +261,8 @@ class Coordinator:
         def step(conn: Connection) -> tuple[BeginAction, int, list[Lease], list[int]]:
             sink = repo.sink_by_name(conn, name)
             rules.check_generation(sink.generation, generation)
-            assert sink.lineage_query_id is not None  # bound by every generation start
+            if sink.lineage_query_id is None:  # only after a lineage reset, before a new start
+                raise e.Conflict(e.LINEAGE_NOT_BOUND, "no query is bound to this sink; start a generation first")
             now = self.clock.now()
             conn.execute(
                 pg_insert(checkpoints)
@@ -600,19 +601,24 @@ class Coordinator:
 
         def record(conn: Connection) -> bool:
             now = self.clock.now()
+            locked = repo.as_checkpoint(  # lock order: checkpoint before its leases
+                conn.execute(select(checkpoints).where(checkpoints.c.id == cp.id).with_for_update()).one()
+            )
             done = [x.id for x in pending if x.transactional_id not in failures]
             repo.cas(conn, leases, done, [LeaseState.COMMITTING], LeaseState.COMMITTED, resolved_at=now)
             repo.release_transactional_ids(conn, done)
+            # a concurrent finisher (driver resume vs recovery) may have committed those already
+            still_committing = {
+                x.transactional_id
+                for x in repo.leases_where(conn, leases.c.attempt_id == attempt.id, leases.c.state == LeaseState.COMMITTING.value)
+            }
+            for tid in list(failures):
+                if tid not in still_committing:
+                    del failures[tid]
             if failures:
                 repo.add_event(conn, sink.id, "commit_failed", "coordinator", now, cp.id, failures=failures)
                 return False
-            locked = repo.as_checkpoint(
-                conn.execute(select(checkpoints).where(checkpoints.c.id == cp.id).with_for_update()).one()
-            )
-            still = repo.leases_where(
-                conn, leases.c.attempt_id == attempt.id, leases.c.state == LeaseState.COMMITTING.value
-            )
-            if locked.state is CheckpointState.COMMITTING and not still:
+            if locked.state is CheckpointState.COMMITTING and not still_committing:
                 repo.cas(conn, attempts, [attempt.id], [AttemptState.COMMITTING], AttemptState.COMMITTED, finished_at=now)
                 repo.cas(conn, checkpoints, [cp.id], [CheckpointState.COMMITTING], CheckpointState.COMMITTED, committed_at=now)
                 repo.add_event(conn, sink.id, "checkpoint_committed", "coordinator", now, cp.id,

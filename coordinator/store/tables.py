@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    CheckConstraint,
     Column,
     DateTime,
     ForeignKey,
@@ -24,10 +25,15 @@ metadata = MetaData(
         "uq": "uq_%(table_name)s_%(column_0_N_name)s",
         "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
         "pk": "pk_%(table_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
     }
 )
 
 TS = DateTime(timezone=True)
+
+
+def _states(*names: str) -> CheckConstraint:
+    return CheckConstraint("state IN (" + ", ".join(f"'{n}'" for n in names) + ")", name="state")
 
 sinks = Table(
     "sinks",
@@ -71,6 +77,7 @@ checkpoints = Table(
     Column("decided_at", TS, nullable=True),
     Column("committed_at", TS, nullable=True),
     UniqueConstraint("sink_id", "query_id", "batch_id"),
+    _states("OPEN", "COMMITTING", "COMMITTED"),
     # the recovery loop looks for COMMITTING checkpoints; listing by state per sink
     Index(None, "sink_id", "state", "batch_id"),
 )
@@ -90,6 +97,7 @@ attempts = Table(
     Column("finished_at", TS, nullable=True),
     Column("abort_reason", String(200), nullable=True),
     UniqueConstraint("checkpoint_id", "number"),
+    _states("OPEN", "COMMITTING", "COMMITTED", "ABORTED"),
     # "every open attempt of this sink" at begin checkpoint and generation start
     Index("ix_attempts_open", "sink_id", postgresql_where=text("state = 'OPEN'")),
 )
@@ -104,6 +112,7 @@ transactional_ids = Table(
     Column("state", String(16), nullable=False),
     Column("lease_id", BigInteger, nullable=True),
     UniqueConstraint("sink_id", "ordinal"),
+    _states("FREE", "LEASED"),
     # the pool's hot query: lowest free ordinal, FOR UPDATE SKIP LOCKED
     Index("ix_transactional_ids_free", "sink_id", "ordinal", postgresql_where=text("state = 'FREE'")),
 )
@@ -128,6 +137,7 @@ leases = Table(
     Column("precommitted_at", TS, nullable=True),
     Column("resolved_at", TS, nullable=True),
     UniqueConstraint("attempt_id", "partition", "task_attempt_id"),
+    _states("LEASED", "PRECOMMITTED", "COMMITTING", "COMMITTED", "ABORTING", "ABORTED"),
     Index(None, "checkpoint_id"),
     # transactions that may be open on the broker: the recovery loop, scale-down, the dashboard
     Index(

@@ -48,7 +48,8 @@ def upgrade() -> None:
     sa.Column('committed_at', sa.DateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['sink_id'], ['sinks.id'], name=op.f('fk_checkpoints_sink_id_sinks')),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_checkpoints')),
-    sa.UniqueConstraint('sink_id', 'query_id', 'batch_id', name=op.f('uq_checkpoints_sink_id_query_id_batch_id'))
+    sa.UniqueConstraint('sink_id', 'query_id', 'batch_id', name=op.f('uq_checkpoints_sink_id_query_id_batch_id')),
+    sa.CheckConstraint("state IN ('OPEN', 'COMMITTING', 'COMMITTED')", name=op.f('ck_checkpoints_state')),
     )
     op.create_index(op.f('ix_checkpoints_sink_id_state_batch_id'), 'checkpoints', ['sink_id', 'state', 'batch_id'], unique=False)
     op.create_table('generations',
@@ -71,6 +72,7 @@ def upgrade() -> None:
     sa.ForeignKeyConstraint(['sink_id'], ['sinks.id'], name=op.f('fk_transactional_ids_sink_id_sinks')),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_transactional_ids')),
     sa.UniqueConstraint('sink_id', 'ordinal', name=op.f('uq_transactional_ids_sink_id_ordinal')),
+    sa.CheckConstraint("state IN ('FREE', 'LEASED')", name=op.f('ck_transactional_ids_state')),
     sa.UniqueConstraint('transactional_id', name=op.f('uq_transactional_ids_transactional_id'))
     )
     op.create_index('ix_transactional_ids_free', 'transactional_ids', ['sink_id', 'ordinal'], unique=False, postgresql_where=sa.text("state = 'FREE'"))
@@ -89,7 +91,8 @@ def upgrade() -> None:
     sa.ForeignKeyConstraint(['checkpoint_id'], ['checkpoints.id'], name=op.f('fk_attempts_checkpoint_id_checkpoints')),
     sa.ForeignKeyConstraint(['sink_id'], ['sinks.id'], name=op.f('fk_attempts_sink_id_sinks')),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_attempts')),
-    sa.UniqueConstraint('checkpoint_id', 'number', name=op.f('uq_attempts_checkpoint_id_number'))
+    sa.UniqueConstraint('checkpoint_id', 'number', name=op.f('uq_attempts_checkpoint_id_number')),
+    sa.CheckConstraint("state IN ('OPEN', 'COMMITTING', 'COMMITTED', 'ABORTED')", name=op.f('ck_attempts_state')),
     )
     op.create_index('ix_attempts_open', 'attempts', ['sink_id'], unique=False, postgresql_where=sa.text("state = 'OPEN'"))
     op.create_table('events',
@@ -127,7 +130,8 @@ def upgrade() -> None:
     sa.ForeignKeyConstraint(['checkpoint_id'], ['checkpoints.id'], name=op.f('fk_leases_checkpoint_id_checkpoints')),
     sa.ForeignKeyConstraint(['sink_id'], ['sinks.id'], name=op.f('fk_leases_sink_id_sinks')),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_leases')),
-    sa.UniqueConstraint('attempt_id', 'partition', 'task_attempt_id', name=op.f('uq_leases_attempt_id_partition_task_attempt_id'))
+    sa.UniqueConstraint('attempt_id', 'partition', 'task_attempt_id', name=op.f('uq_leases_attempt_id_partition_task_attempt_id')),
+    sa.CheckConstraint("state IN ('LEASED', 'PRECOMMITTED', 'COMMITTING', 'COMMITTED', 'ABORTING', 'ABORTED')", name=op.f('ck_leases_state')),
     )
     op.create_index(op.f('ix_leases_checkpoint_id'), 'leases', ['checkpoint_id'], unique=False)
     op.create_index('ix_leases_unresolved', 'leases', ['sink_id', 'state'], unique=False, postgresql_where=sa.text("state IN ('LEASED', 'PRECOMMITTED', 'COMMITTING', 'ABORTING')"))

@@ -306,11 +306,14 @@ class Coordinator:
             return action, cp.id, to_abort, list(unfinished)
 
         action, checkpoint_id, to_abort, unfinished = self._tx(step)
+        finished = list(unfinished)
         for other in unfinished:  # decided commits of earlier batches finish first
             self._finish_commit(name, other)
         if action is BeginAction.RESUME:
             self._finish_commit(name, checkpoint_id)
-        self._abort_on_kafka(name, to_abort)
+            finished.append(checkpoint_id)
+        # a finished commit's losers (left ABORTING when its first try failed) end too, as in resume
+        self._abort_on_kafka(name, [*to_abort, *self._aborting_leases(finished)])
 
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
@@ -502,7 +505,9 @@ class Coordinator:
                     leases.c.state.in_([LeaseState.COMMITTING.value, LeaseState.COMMITTED.value]),
                 )
                 rules.check_same_winners(results, decided)
-                return cp.id, [], None  # a retry: finish (if needed) and answer from the record
+                # a retry: finish (if needed), end the losers' transactions still to abort, and
+                # answer from the record
+                return cp.id, self._aborting_leases([cp.id], conn), None
             if attempt.state is AttemptState.ABORTED and attempt.abort_reason == e.DEADLINE_TOO_CLOSE:
                 raise e.Conflict(e.DEADLINE_TOO_CLOSE, f"attempt {attempt_number} was aborted by the timeout gate")
             rules.check_attempt_writable(attempt, cp.current_attempt, generation)
@@ -531,9 +536,13 @@ class Coordinator:
         if refusal is not None:
             self._abort_on_kafka(name, to_abort)
             raise refusal
-        self._finish_commit(name, checkpoint_id)
-        aborts = self._abort_on_kafka(name, to_abort)
-        return self._commit_result(name, batch_id, aborts)
+        try:
+            self._finish_commit(name, checkpoint_id)
+        finally:
+            # losers do not depend on the winners: end their transactions (which would block
+            # read_committed consumers) even while the winners' commit waits for Kafka
+            self._abort_on_kafka(name, to_abort)
+        return self._commit_result(name, batch_id)
 
     def resume(self, name: str, batch_id: int) -> CommitResult:
         """Finish a decided commit (after a crash); answers from the record if it is finished."""
@@ -541,12 +550,27 @@ class Coordinator:
             cp = repo.checkpoint_for(conn, repo.sink_by_name(conn, name), batch_id)
         if cp.state is CheckpointState.OPEN:
             raise e.Conflict(e.NOT_COMMITTING, f"batch {batch_id} has no decided commit to resume")
-        self._finish_commit(name, cp.id)
-        with self.engine.connect() as conn:
-            pending = repo.leases_where(conn, leases.c.checkpoint_id == cp.id, leases.c.state == LeaseState.ABORTING.value)
-        return self._commit_result(name, batch_id, self._abort_on_kafka(name, pending))
+        try:
+            self._finish_commit(name, cp.id)
+        finally:
+            self._abort_on_kafka(name, self._aborting_leases([cp.id]))
+        return self._commit_result(name, batch_id)
 
-    def _commit_result(self, name: str, batch_id: int, aborts: AbortOutcome) -> CommitResult:
+    def _aborting_leases(self, checkpoint_ids: Sequence[int], conn: Connection | None = None) -> list[Lease]:
+        """Leases of these checkpoints whose transactions are still to abort on Kafka."""
+        if not checkpoint_ids:
+            return []
+        if conn is None:
+            with self.engine.connect() as own:
+                return self._aborting_leases(checkpoint_ids, own)
+        return repo.leases_where(
+            conn, leases.c.checkpoint_id.in_(list(checkpoint_ids)), leases.c.state == LeaseState.ABORTING.value
+        )
+
+    def _commit_result(self, name: str, batch_id: int) -> CommitResult:
+        """The answer to commit and resume, read from the record so that a retry (on any replica)
+        answers the same: the winners, and every other transaction of the checkpoint as aborted
+        or still to abort."""
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             cp = repo.checkpoint_for(conn, sink, batch_id)
@@ -557,6 +581,15 @@ class Coordinator:
                 leases.c.attempt_id == attempt.id,
                 leases.c.state.in_([LeaseState.COMMITTING.value, LeaseState.COMMITTED.value]),
             )
+            others = repo.leases_where(
+                conn,
+                leases.c.checkpoint_id == cp.id,
+                leases.c.state.in_([LeaseState.ABORTED.value, LeaseState.ABORTING.value]),
+            )
+        aborts = AbortOutcome(
+            aborted=[x.transactional_id for x in others if x.state is LeaseState.ABORTED],
+            pending=[x.transactional_id for x in others if x.state is LeaseState.ABORTING],
+        )
         warnings = []
         if attempt.decided_at is not None:
             w = rules.batch_duration_warning(
@@ -673,12 +706,46 @@ class Coordinator:
         return self._abort_on_kafka(name, pending)
 
     def _abort_on_kafka(self, name: str, to_abort: Sequence[Lease]) -> AbortOutcome:
-        """Abort each lease's transaction by its id; only then is the id free again."""
+        """Abort each lease's transaction by its id; only then is the id free again.
+
+        The list was read earlier and another caller (a retried request, resume, the recovery
+        loop, another replica) may be aborting the same leases. An abort by id fences whatever
+        producer holds the id, so it must never reach Kafka after the id was released and leased
+        again (it would kill the new lease's transaction, even a pre-committed one). Each lease is
+        therefore claimed with a session advisory lock (no transaction is held across Kafka) and
+        re-checked to be still ABORTING; a lease claimed elsewhere is left to that caller."""
         if not to_abort:
             return AbortOutcome()
         if self.control_plane is None:
             return AbortOutcome(pending=[x.transactional_id for x in to_abort])
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as guard:
+            try:
+                return self._abort_claimed(name, guard, list({x.id: x for x in to_abort}.values()))
+            finally:
+                guard.execute(text("SELECT pg_advisory_unlock_all()"))
+
+    def _abort_claimed(self, name: str, guard: Connection, candidates: list[Lease]) -> AbortOutcome:
+        claimed = {
+            x.id for x in candidates
+            if guard.execute(
+                text("SELECT pg_try_advisory_lock(hashtextextended('coordinator.lease_abort:' || :id, 0))"),
+                {"id": str(x.id)},
+            ).scalar()
+        }
+        # read after claiming: a lease still ABORTING now cannot be released by anyone but us
+        states = dict(
+            guard.execute(select(leases.c.id, leases.c.state).where(leases.c.id.in_([x.id for x in candidates]))).all()
+        )
+        to_abort = [x for x in candidates if x.id in claimed and states.get(x.id) == LeaseState.ABORTING.value]
+        already = [x.transactional_id for x in candidates if states.get(x.id) == LeaseState.ABORTED.value]
+        elsewhere = [
+            x.transactional_id for x in candidates
+            if x.id not in claimed and states.get(x.id) != LeaseState.ABORTED.value
+        ]
+        if not to_abort:
+            return AbortOutcome(aborted=already, pending=elsewhere)
         control_plane = self.control_plane
+        assert control_plane is not None
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
         target = _target(sink)
@@ -705,7 +772,7 @@ class Coordinator:
                 repo.add_event(conn, sink.id, "abort_failed", "coordinator", now, failures=failed)
 
         self._tx(record)
-        return AbortOutcome(aborted=[x.transactional_id for x in done], pending=list(failed))
+        return AbortOutcome(aborted=[*already, *(x.transactional_id for x in done)], pending=[*elsewhere, *failed])
 
     def _parallel(self, fn: Callable[[Lease], T], items: Sequence[Lease]) -> list[T]:
         if len(items) <= 1:

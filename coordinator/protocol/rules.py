@@ -29,7 +29,7 @@ MAX_NAME_LENGTH = 100
 
 
 def validate_sink_name(name: str) -> None:
-    if not (1 <= len(name) <= MAX_NAME_LENGTH) or not _NAME_RE.match(name):
+    if not (1 <= len(name) <= MAX_NAME_LENGTH) or not _NAME_RE.fullmatch(name):
         raise e.Invalid(
             "invalid_sink_name",
             f"sink name must be 1-{MAX_NAME_LENGTH} characters of A-Z a-z 0-9 . _ - "
@@ -39,7 +39,7 @@ def validate_sink_name(name: str) -> None:
 
 
 def validate_prefix(prefix: str) -> None:
-    if not (1 <= len(prefix) <= MAX_PREFIX_LENGTH) or not _PREFIX_RE.match(prefix):
+    if not (1 <= len(prefix) <= MAX_PREFIX_LENGTH) or not _PREFIX_RE.fullmatch(prefix):
         raise e.Invalid(
             "invalid_transactional_id_prefix",
             f"transactional_id_prefix must be 1-{MAX_PREFIX_LENGTH} characters of A-Z a-z 0-9 . _ -",
@@ -65,6 +65,13 @@ def validate_timeouts(transaction_timeout_ms: int, commit_margin_ms: int, broker
             f"transaction.max.timeout.ms={broker_max_ms}; the producer would be refused at "
             "InitProducerId. Lower the sink's timeout or raise the broker maximum.",
             field="transaction_timeout_ms",
+        )
+    if commit_margin_ms < 0:
+        raise e.Invalid(
+            "commit_margin_negative",
+            f"commit_margin_ms={commit_margin_ms} must not be negative: the timeout gate would then "
+            "decide commits of transactions the broker has already aborted",
+            field="commit_margin_ms",
         )
     if commit_margin_ms >= transaction_timeout_ms:
         raise e.Invalid(
@@ -191,7 +198,9 @@ def remaining_ms(lease: Lease, now: datetime) -> int:
 
 
 def deadline_too_close(lease: Lease, now: datetime, margin_ms: int) -> bool:
-    return remaining_ms(lease, now) < margin_ms
+    # compare exactly: rounding the remaining time to whole milliseconds could let a transaction
+    # up to 1 ms past its deadline through a zero margin
+    return lease.deadline_at - now < timedelta(milliseconds=margin_ms)
 
 
 @dataclass(frozen=True)

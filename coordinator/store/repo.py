@@ -165,7 +165,12 @@ def lease_by_id(conn: Connection, sink: Sink, lease_id: int, lock: bool = False)
 
 def take_free_transactional_id(conn: Connection, sink: Sink, prefix_for: Any) -> tuple[int, str]:
     """Lock the lowest FREE id of the sink (SKIP LOCKED, so concurrent executors never wait on each
-    other), or grow the pool by one. The row stays locked by this transaction until it commits."""
+    other), or grow the pool by one. The row stays locked by this transaction until it commits.
+
+    Growing takes a per-sink advisory lock held to commit, so growers take turns: without it, N
+    concurrent growers all race for the same next ordinal, one wins per round, and the N-th needs
+    N rounds (a spurious pool_exhausted past 64, and a racy max_pool_size check)."""
+    growing = False
     for _ in range(64):
         row = conn.execute(
             select(transactional_ids.c.id, transactional_ids.c.transactional_id)
@@ -176,6 +181,13 @@ def take_free_transactional_id(conn: Connection, sink: Sink, prefix_for: Any) ->
         ).first()
         if row is not None:
             return row.id, row.transactional_id
+        if not growing:
+            # the two-key form: its key space never overlaps the single-key locks used elsewhere
+            conn.execute(
+                select(func.pg_advisory_xact_lock(func.hashtext("coordinator.pool_growth"), func.hashtext(str(sink.id))))
+            )
+            growing = True
+            continue  # look for a FREE id again: one may have been released while we waited
         size, next_ordinal = conn.execute(
             select(func.count(), func.coalesce(func.max(transactional_ids.c.ordinal) + 1, 0)).where(
                 transactional_ids.c.sink_id == sink.id

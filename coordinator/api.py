@@ -90,7 +90,12 @@ def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: byte
 
     @app.exception_handler(e.ProtocolError)
     async def protocol_error(_: Request, exc: e.ProtocolError) -> JSONResponse:
-        return JSONResponse(status_code=exc.status, content={"error": exc.to_dict()})
+        body = exc.to_dict()
+        field = exc.detail.get("field")
+        if isinstance(exc, e.Invalid) and isinstance(field, str) and "fields" not in exc.detail:
+            # every 422 names its fields in one shape, whether pydantic or the service refused
+            body["detail"] = {**exc.detail, "fields": [{"field": field, "message": exc.message}]}
+        return JSONResponse(status_code=exc.status, content={"error": body})
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -25,11 +26,19 @@ def _admin_token_file(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .store.db import migrate
 
+    # uvicorn re-raises SIGTERM after its graceful shutdown. With the default action the process
+    # would die without running atexit handlers, leaving the embedded Postgres running; exit
+    # through SystemExit instead (status 143, as a shell reports for SIGTERM) so cleanup runs.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     settings = Settings()
     host = args.host or settings.host
     port = args.port or settings.port

@@ -217,12 +217,27 @@ class Coordinator:
             conn.execute(
                 insert(generations).values(sink_id=sink.id, generation=gen, query_id=query_id, run_id=run_id, started_at=now)
             )
-            to_abort = self._abort_open_attempts(conn, sink, "fenced_by_new_generation", now)
+            to_abort = self._abort_open_attempts(conn, sink, _fenced_by(gen), now)
             repo.add_event(conn, sink.id, "generation_started", actor, now, generation=gen, query_id=query_id, run_id=run_id)
             return gen, to_abort
 
         gen, to_abort = self._tx(step)
-        return gen, self._abort_on_kafka(name, to_abort)
+        self._abort_on_kafka(name, to_abort)
+        # answered from the record, so a retry gets the same answer
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            fenced = repo.leases_where(
+                conn,
+                leases.c.sink_id == sink.id,
+                leases.c.attempt_id.in_(
+                    select(attempts.c.id).where(attempts.c.sink_id == sink.id, attempts.c.abort_reason == _fenced_by(gen))
+                ),
+                leases.c.state.in_([LeaseState.ABORTED.value, LeaseState.ABORTING.value]),
+            )
+        return gen, AbortOutcome(
+            aborted=[x.transactional_id for x in fenced if x.state is LeaseState.ABORTED],
+            pending=[x.transactional_id for x in fenced if x.state is LeaseState.ABORTING],
+        )
 
     def reset_lineage(self, name: str, actor: str, reason: str) -> Sink:
         """Operator action: let a query with a new checkpoint location take over the sink. Fences
@@ -828,6 +843,10 @@ class Coordinator:
     def snapshot(self) -> Snapshot:
         with self.engine.connect() as conn:
             return repo.snapshot(conn)
+
+
+def _fenced_by(generation: int) -> str:
+    return f"fenced_by_generation_{generation}"
 
 
 def _target(sink: Sink) -> KafkaTarget:

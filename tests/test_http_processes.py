@@ -420,7 +420,7 @@ def test_two_service_processes_on_one_database(launch: Callable[[int], list[Serv
     assert by_batch[4].committed_attempt == 2
     attempts4 = sorted((x for x in snap.attempts if x.checkpoint_id == by_batch[4].id), key=lambda x: x.number)
     assert [(x.state, x.abort_reason) for x in attempts4] == [
-        ("ABORTED", "fenced_by_new_generation"), ("COMMITTED", None)
+        ("ABORTED", "fenced_by_generation_2"), ("COMMITTED", None)
     ]
     # every transaction of batch 4's fenced attempt ended aborted, none committed
     fenced = [x for x in snap.leases if x.attempt_id == attempts4[0].id]

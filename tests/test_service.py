@@ -522,6 +522,19 @@ def test_start_generation_retry_after_a_newer_generation_is_fenced(
     assert c.start_generation(NAME, "q1", "r2", ACTOR)[0] == g2
 
 
+def test_start_generation_retry_answers_the_same_aborts(coordinator: Coordinator, kafka: RecordingControlPlane):
+    c = coordinator
+    g1 = start(c)
+    c.begin_checkpoint(NAME, 0, g1, ACTOR)
+    held = [lease_and_precommit(c, 0, 1, g1, p, 10 + p) for p in range(3)]
+    first = c.start_generation(NAME, "q1", "r2", ACTOR)
+    calls = kafka_calls(kafka)
+    again = c.start_generation(NAME, "q1", "r2", ACTOR)
+    assert first == again
+    assert sorted(first[1].aborted) == sorted(x.transactional_id for x in held) and first[1].pending == []
+    assert kafka_calls(kafka) == calls  # the retry aborted nothing a second time
+
+
 # --- the timeout gate (I4) -------------------------------------------------------------------
 
 

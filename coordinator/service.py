@@ -457,8 +457,7 @@ class Coordinator:
         def step(conn: Connection) -> Lease:
             sink = repo.sink_by_name(conn, name)
             rules.check_generation(sink.generation, generation)
-            attempt_id = repo.lease_by_id(conn, sink, lease_id).attempt_id
-            attempt = repo.attempt_by_id(conn, attempt_id, lock="key_share")
+            attempt = repo.attempt_of_lease(conn, sink, lease_id, lock="key_share")  # lock order: attempt first
             lease = repo.lease_by_id(conn, sink, lease_id, lock=True)
             if rules.precommit_already_recorded(lease, request):
                 return lease

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from enum import StrEnum
+from functools import cache
 from typing import Any
 
-from sqlalchemy import Connection, Row, Table, func, insert, select, update
+from sqlalchemy import ClauseElement, Connection, Row, Select, Table, Update, bindparam, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from ..protocol import errors as e
@@ -39,6 +40,9 @@ def cas(
         require_transition(state, new)
     if not ids:
         return []
+    if not where and not any(isinstance(v, ClauseElement) for v in values.values()):
+        stmt = _cas_stmt(table, tuple(str(s) for s in old), str(new), tuple(values))
+        return list(conn.execute(stmt, {"cas_ids": ids, **{f"cas_{k}": v for k, v in values.items()}}))
     stmt = (
         update(table)
         .where(table.c.id.in_(ids), table.c.state.in_([str(s) for s in old]), *where)
@@ -46,6 +50,24 @@ def cas(
         .returning(*table.c)
     )
     return list(conn.execute(stmt))
+
+
+# Building a Core statement and its cache key costs about as much CPU as executing it. The hot
+# statements below have a fixed shape, so each is built once (per lock mode) and executed with
+# bound parameters; the SQL sent to Postgres is the same as building it afresh.
+
+
+@cache
+def _cas_stmt(table: Table, old: tuple[str, ...], new: str, keys: tuple[str, ...]) -> Update:
+    return (
+        update(table)
+        .where(table.c.id.in_(bindparam("cas_ids", expanding=True)), table.c.state.in_(list(old)))
+        .values(state=new, **{k: bindparam(f"cas_{k}", type_=table.c[k].type) for k in keys})
+        .returning(*table.c)
+    )
+
+
+_INSERT_EVENT = insert(events)
 
 
 def add_event(
@@ -58,9 +80,8 @@ def add_event(
     **detail: Any,
 ) -> None:
     conn.execute(
-        insert(events).values(
-            sink_id=sink_id, checkpoint_id=checkpoint_id, at=at, kind=kind, actor=actor, detail=detail
-        )
+        _INSERT_EVENT,
+        dict(sink_id=sink_id, checkpoint_id=checkpoint_id, at=at, kind=kind, actor=actor, detail=detail),
     )
 
 
@@ -95,50 +116,73 @@ def as_transactional_id(row: Row) -> TransactionalId:
     return TransactionalId.from_mapping(m)
 
 
-def sink_by_name(conn: Connection, name: str, lock: str | None = None) -> Sink:
-    stmt = select(sinks).where(sinks.c.name == name)
+@cache
+def _sink_by_name_stmt(lock: str | None) -> Select:
+    stmt = select(sinks).where(sinks.c.name == bindparam("name"))
     if lock == "update":
         stmt = stmt.with_for_update()
     elif lock == "share":
         stmt = stmt.with_for_update(read=True)
-    row = conn.execute(stmt).first()
+    return stmt
+
+
+def sink_by_name(conn: Connection, name: str, lock: str | None = None) -> Sink:
+    row = conn.execute(_sink_by_name_stmt(lock), {"name": name}).first()
     if row is None:
         raise e.NotFound("unknown_sink", f"no sink named {name!r}", sink=name)
     return _as_sink(row)
+
+
+@cache
+def _checkpoint_stmt(lock: bool) -> Select:
+    stmt = select(checkpoints).where(
+        checkpoints.c.sink_id == bindparam("sink_id"),
+        checkpoints.c.query_id == bindparam("query_id"),
+        checkpoints.c.batch_id == bindparam("batch_id"),
+    )
+    return stmt.with_for_update() if lock else stmt
 
 
 def checkpoint_for(
     conn: Connection, sink: Sink, batch_id: int, *, query_id: str | None = None, lock: bool = False
 ) -> Checkpoint:
     qid = query_id if query_id is not None else sink.lineage_query_id
-    stmt = select(checkpoints).where(
-        checkpoints.c.sink_id == sink.id, checkpoints.c.query_id == qid, checkpoints.c.batch_id == batch_id
-    )
-    if lock:
-        stmt = stmt.with_for_update()
-    row = conn.execute(stmt).first() if qid is not None else None
+    params = {"sink_id": sink.id, "query_id": qid, "batch_id": batch_id}
+    row = conn.execute(_checkpoint_stmt(bool(lock)), params).first() if qid is not None else None
     if row is None:
         raise e.NotFound("unknown_checkpoint", f"sink {sink.name!r} has no checkpoint for batch {batch_id}", batch_id=batch_id)
     return as_checkpoint(row)
 
 
-def attempt_of(conn: Connection, checkpoint_id: int, number: int, lock: str | None = None) -> Attempt:
-    stmt = select(attempts).where(attempts.c.checkpoint_id == checkpoint_id, attempts.c.number == number)
+@cache
+def _attempt_of_stmt(lock: str | None) -> Select:
+    stmt = select(attempts).where(
+        attempts.c.checkpoint_id == bindparam("checkpoint_id"), attempts.c.number == bindparam("number")
+    )
     if lock == "update":
         stmt = stmt.with_for_update()
     elif lock == "key_share":
         stmt = stmt.with_for_update(read=True, key_share=True)
-    row = conn.execute(stmt).first()
+    return stmt
+
+
+def attempt_of(conn: Connection, checkpoint_id: int, number: int, lock: str | None = None) -> Attempt:
+    row = conn.execute(_attempt_of_stmt(lock), {"checkpoint_id": checkpoint_id, "number": number}).first()
     if row is None:
         raise e.NotFound("unknown_attempt", f"checkpoint has no attempt {number}", attempt=number)
     return as_attempt(row)
 
 
-def attempt_by_id(conn: Connection, attempt_id: int, lock: str | None = None) -> Attempt:
-    stmt = select(attempts).where(attempts.c.id == attempt_id)
+@cache
+def _attempt_by_id_stmt(lock: str | None) -> Select:
+    stmt = select(attempts).where(attempts.c.id == bindparam("attempt_id"))
     if lock == "key_share":
         stmt = stmt.with_for_update(read=True, key_share=True)
-    return as_attempt(conn.execute(stmt).one())
+    return stmt
+
+
+def attempt_by_id(conn: Connection, attempt_id: int, lock: str | None = None) -> Attempt:
+    return as_attempt(conn.execute(_attempt_by_id_stmt(lock), {"attempt_id": attempt_id}).one())
 
 
 def attempts_of_checkpoint(conn: Connection, checkpoint_id: int) -> list[Attempt]:
@@ -153,14 +197,58 @@ def leases_where(conn: Connection, *conditions: Any, lock: bool = False) -> list
     return [as_lease(r) for r in conn.execute(stmt)]
 
 
+@cache
+def _lease_by_id_stmt(lock: bool) -> Select:
+    stmt = (
+        select(leases)
+        .where(leases.c.id == bindparam("lease_id"), leases.c.sink_id == bindparam("sink_id"))
+        .order_by(leases.c.id)
+    )
+    return stmt.with_for_update() if lock else stmt
+
+
 def lease_by_id(conn: Connection, sink: Sink, lease_id: int, lock: bool = False) -> Lease:
-    found = leases_where(conn, leases.c.id == lease_id, leases.c.sink_id == sink.id, lock=lock)
+    params = {"lease_id": lease_id, "sink_id": sink.id}
+    found = [as_lease(r) for r in conn.execute(_lease_by_id_stmt(bool(lock)), params)]
     if not found:
         raise e.NotFound("unknown_lease", f"sink {sink.name!r} has no lease {lease_id}", lease_id=lease_id)
     return found[0]
 
 
+@cache
+def _attempt_of_lease_stmt(lock: str | None) -> Select:
+    attempt_id = (
+        select(leases.c.attempt_id)
+        .where(leases.c.id == bindparam("lease_id"), leases.c.sink_id == bindparam("sink_id"))
+        .scalar_subquery()
+    )
+    stmt = select(attempts).where(attempts.c.id == attempt_id)
+    if lock == "key_share":
+        stmt = stmt.with_for_update(read=True, key_share=True, of=attempts)  # not the lease row
+    return stmt
+
+
+def attempt_of_lease(conn: Connection, sink: Sink, lease_id: int, lock: str | None = None) -> Attempt:
+    """The attempt a lease of the sink belongs to, in one statement (the lease row is not locked)."""
+    row = conn.execute(_attempt_of_lease_stmt(lock), {"lease_id": lease_id, "sink_id": sink.id}).first()
+    if row is None:
+        raise e.NotFound("unknown_lease", f"sink {sink.name!r} has no lease {lease_id}", lease_id=lease_id)
+    return as_attempt(row)
+
+
 # --- the transactional id pool ---------------------------------------------------------------
+
+
+_LOWEST_FREE_ID = (
+    select(transactional_ids.c.id, transactional_ids.c.transactional_id)
+    .where(
+        transactional_ids.c.sink_id == bindparam("sink_id"),
+        transactional_ids.c.state == TransactionalIdState.FREE.value,
+    )
+    .order_by(transactional_ids.c.ordinal)
+    .limit(1)
+    .with_for_update(skip_locked=True)
+)
 
 
 def take_free_transactional_id(conn: Connection, sink: Sink, prefix_for: Any) -> tuple[int, str]:
@@ -172,13 +260,7 @@ def take_free_transactional_id(conn: Connection, sink: Sink, prefix_for: Any) ->
     N rounds (a spurious pool_exhausted past 64, and a racy max_pool_size check)."""
     growing = False
     for _ in range(64):
-        row = conn.execute(
-            select(transactional_ids.c.id, transactional_ids.c.transactional_id)
-            .where(transactional_ids.c.sink_id == sink.id, transactional_ids.c.state == TransactionalIdState.FREE.value)
-            .order_by(transactional_ids.c.ordinal)
-            .limit(1)
-            .with_for_update(skip_locked=True)
-        ).first()
+        row = conn.execute(_LOWEST_FREE_ID, {"sink_id": sink.id}).first()
         if row is not None:
             return row.id, row.transactional_id
         if not growing:
@@ -217,14 +299,17 @@ def release_transactional_ids(conn: Connection, lease_ids: Sequence[int]) -> Non
     if not lease_ids:
         return
     require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
-    conn.execute(
-        update(transactional_ids)
-        .where(
-            transactional_ids.c.lease_id.in_(list(lease_ids)),
-            transactional_ids.c.state == TransactionalIdState.LEASED.value,
-        )
-        .values(state=TransactionalIdState.FREE.value, lease_id=None)
+    conn.execute(_RELEASE_IDS, {"released_lease_ids": list(lease_ids)})
+
+
+_RELEASE_IDS = (
+    update(transactional_ids)
+    .where(
+        transactional_ids.c.lease_id.in_(bindparam("released_lease_ids", expanding=True)),
+        transactional_ids.c.state == TransactionalIdState.LEASED.value,
     )
+    .values(state=TransactionalIdState.FREE.value, lease_id=None)
+)
 
 
 # --- whole-state snapshot (tests, invariant checks, simulation) ----------------------------------

@@ -786,14 +786,13 @@ def print_run(r: dict[str, Any]) -> None:
             print(f"{k:<10}{lat['n']:>9}{fmt(lat['p50'], 9, 2)}{fmt(lat['p99'], 9, 2)}")
     x, w = r["db_xacts_per_s"], r["db_commits_per_s"]
     if r["rate"]:
-        print(f"Postgres transactions/s: {x:.0f} = {x / r['rate']:.1f} per cycle ({w / r['rate']:.1f} committed; each "
-              "pool checkout's pre-ping SELECT 1 counts as one); "
+        print(f"Postgres transactions/s: {x:.0f} = {x / r['rate']:.1f} per cycle ({w / r['rate']:.1f} committed); "
               f"new Postgres sessions/s: {r['db_sessions_opened_per_s']:.1f}")
     if r.get("statements_per_cycle"):
         st, co = r["statements_per_cycle"], r["checkouts_per_cycle"]
-        print(f"per cycle: {st:.1f} SQL statements, {co:.1f} pool checkouts; ~{st + 3 * co:.0f} client-Postgres round "
-              "trips (the statements, plus BEGIN, COMMIT or ROLLBACK and the pre-ping SELECT 1 per checkout)")
-        r["round_trips_per_cycle"] = st + 3 * co
+        print(f"per cycle: {st:.1f} SQL statements, {co:.1f} pool checkouts; ~{st + 2 * co:.0f} client-Postgres round "
+              "trips (the statements, plus BEGIN and COMMIT or ROLLBACK per checkout)")
+        r["round_trips_per_cycle"] = st + 2 * co
     print(cpu_line(r["cpu"], r["mode"] == "http"))
     if r["rate"]:
         cpu = r["cpu"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -85,6 +85,16 @@ class CommitResult:
 
 
 @dataclass(frozen=True)
+class _Decision:
+    """A decided commit and the winners still to commit on Kafka."""
+
+    sink: Sink
+    checkpoint: Checkpoint
+    attempt: Attempt
+    winners: list[Lease]
+
+
+@dataclass(frozen=True)
 class CheckpointDetail:
     checkpoint: Checkpoint
     attempts: list[Attempt]
@@ -111,17 +121,17 @@ class Coordinator:
     # --- transactions ------------------------------------------------------------------------
 
     def _tx(self, fn: Callable[[Connection], T]) -> T:
-        """Run fn in one database transaction, retrying it whole on deadlock or serialization
-        failure (safe: fn has no effect outside the transaction)."""
+        """Run fn in one database transaction, retrying it whole on deadlock, serialization failure
+        or a dead pooled connection (safe: fn has no effect outside the transaction)."""
         for attempt in range(5):
             try:
                 with self.engine.begin() as conn:
                     return fn(conn)
             except DBAPIError as exc:
                 code = getattr(exc.orig, "sqlstate", None)
-                if code not in _RETRYABLE_SQLSTATES or attempt == 4:
+                if (code not in _RETRYABLE_SQLSTATES and not exc.connection_invalidated) or attempt == 4:
                     raise
-                log.info("retrying transaction after %s", code)
+                log.info("retrying transaction after %s", code or "a lost database connection")
         raise AssertionError("unreachable")
 
     # --- sinks -------------------------------------------------------------------------------
@@ -273,7 +283,7 @@ class Coordinator:
     # --- begin checkpoint ---------------------------------------------------------------------
 
     def begin_checkpoint(self, name: str, batch_id: int, generation: int, actor: str) -> BeginResult:
-        def step(conn: Connection) -> tuple[BeginAction, int, list[Lease], list[int]]:
+        def step(conn: Connection) -> tuple[BeginAction, Checkpoint, Attempt | None, list[Lease], list[int], list[Lease]]:
             sink = repo.sink_by_name(conn, name)
             rules.check_generation(sink.generation, generation)
             if sink.lineage_query_id is None:  # only after a lineage reset, before a new start
@@ -299,17 +309,22 @@ class Coordinator:
                 # one micro-batch in flight per query: every other open attempt of the sink is dead
                 to_abort = self._abort_open_attempts(conn, sink, "superseded", now)
                 number = cp.current_attempt + 1
-                conn.execute(
-                    insert(attempts).values(
-                        checkpoint_id=cp.id,
-                        sink_id=sink.id,
-                        number=number,
-                        generation=generation,
-                        state=AttemptState.OPEN.value,
-                        started_at=now,
-                    )
+                latest = repo.as_attempt(
+                    conn.execute(
+                        insert(attempts)
+                        .values(
+                            checkpoint_id=cp.id,
+                            sink_id=sink.id,
+                            number=number,
+                            generation=generation,
+                            state=AttemptState.OPEN.value,
+                            started_at=now,
+                        )
+                        .returning(*attempts.c)
+                    ).one()
                 )
                 conn.execute(update(checkpoints).where(checkpoints.c.id == cp.id).values(current_attempt=number))
+                cp = replace(cp, current_attempt=number)
                 repo.add_event(conn, sink.id, "attempt_begun", actor, now, cp.id, batch_id=batch_id, attempt=number, generation=generation)
             unfinished = conn.execute(
                 select(checkpoints.c.id).where(
@@ -318,34 +333,39 @@ class Coordinator:
                     checkpoints.c.id != cp.id,
                 )
             ).scalars().all()
-            return action, cp.id, to_abort, list(unfinished)
+            return action, cp, latest, to_abort, list(unfinished), self._older_leases(conn, cp.id, latest)
 
-        action, checkpoint_id, to_abort, unfinished = self._tx(step)
+        action, cp, attempt, to_abort, unfinished, older = self._tx(step)
         finished = list(unfinished)
         for other in unfinished:  # decided commits of earlier batches finish first
             self._finish_commit(name, other)
         if action is BeginAction.RESUME:
-            self._finish_commit(name, checkpoint_id)
-            finished.append(checkpoint_id)
+            self._finish_commit(name, cp.id)
+            finished.append(cp.id)
         # a finished commit's losers (left ABORTING when its first try failed) end too, as in resume
-        self._abort_on_kafka(name, [*to_abort, *self._aborting_leases(finished)])
-
-        with self.engine.connect() as conn:
-            sink = repo.sink_by_name(conn, name)
-            cp = repo.checkpoint_for(conn, sink, batch_id)
-            attempt = repo.attempt_of(conn, cp.id, cp.current_attempt) if cp.current_attempt else None
-            older = repo.leases_where(
-                conn,
-                leases.c.checkpoint_id == cp.id,
-                leases.c.attempt_id != (attempt.id if attempt else -1),
-                leases.c.state.in_([LeaseState.ABORTED.value, LeaseState.ABORTING.value]),
-            )
+        kafka_work = [*to_abort, *self._aborting_leases(finished)]
+        if kafka_work or action is BeginAction.RESUME:
+            self._abort_on_kafka(name, kafka_work)
+            with self.engine.connect() as conn:  # answer with the states Kafka work left behind
+                cp = repo.checkpoint_for(conn, repo.sink_by_name(conn, name), batch_id)
+                attempt = repo.attempt_of(conn, cp.id, cp.current_attempt) if cp.current_attempt else None
+                older = self._older_leases(conn, cp.id, attempt)
         return BeginResult(
             action=action,
             checkpoint=cp,
             attempt=attempt,
             older_aborted=[x.transactional_id for x in older if x.state is LeaseState.ABORTED],
             older_abort_pending=[x.transactional_id for x in older if x.state is LeaseState.ABORTING],
+        )
+
+    @staticmethod
+    def _older_leases(conn: Connection, checkpoint_id: int, current: Attempt | None) -> list[Lease]:
+        """Leases of the checkpoint's earlier attempts that were aborted or are still to abort."""
+        return repo.leases_where(
+            conn,
+            leases.c.checkpoint_id == checkpoint_id,
+            leases.c.attempt_id != (current.id if current else -1),
+            leases.c.state.in_([LeaseState.ABORTED.value, LeaseState.ABORTING.value]),
         )
 
     def _abort_open_attempts(self, conn: Connection, sink: Sink, reason: str, now: datetime) -> list[Lease]:
@@ -501,7 +521,7 @@ class Coordinator:
                 "so it cannot commit; nothing was decided",
             )
 
-        def step(conn: Connection) -> tuple[int, list[Lease], e.ProtocolError | None]:
+        def step(conn: Connection) -> tuple[int, _Decision | None, list[Lease], e.ProtocolError | None]:
             sink = repo.sink_by_name(conn, name, lock="share")
             rules.check_generation(sink.generation, generation)
             cp = repo.checkpoint_for(conn, sink, batch_id, lock=True)
@@ -521,7 +541,7 @@ class Coordinator:
                 rules.check_same_winners(results, decided)
                 # a retry: finish (if needed), end the losers' transactions still to abort, and
                 # answer from the record
-                return cp.id, self._aborting_leases([cp.id], conn), None
+                return cp.id, None, self._aborting_leases([cp.id], conn), None
             if attempt.state is AttemptState.ABORTED and attempt.abort_reason == e.DEADLINE_TOO_CLOSE:
                 raise e.Conflict(e.DEADLINE_TOO_CLOSE, f"attempt {attempt_number} was aborted by the timeout gate")
             rules.check_attempt_writable(attempt, cp.current_attempt, generation)
@@ -533,30 +553,35 @@ class Coordinator:
             except e.Conflict as refusal:
                 to_abort = self._abort_attempt_rows(conn, sink, [attempt.id], e.DEADLINE_TOO_CLOSE, now, actor)
                 repo.add_event(conn, sink.id, "commit_refused", actor, now, cp.id, attempt=attempt_number, **refusal.to_dict())
-                return cp.id, to_abort, refusal
-            repo.cas(conn, checkpoints, [cp.id], [CheckpointState.OPEN], CheckpointState.COMMITTING,
-                     decided_at=now, committed_attempt=attempt_number)
-            repo.cas(conn, attempts, [attempt.id], [AttemptState.OPEN], AttemptState.COMMITTING,
-                     decided_at=now, partitions=len(results))
-            repo.cas(conn, leases, [w.id for w in plan.winners], [LeaseState.PRECOMMITTED], LeaseState.COMMITTING)
+                return cp.id, None, to_abort, refusal
+            (cp_row,) = repo.cas(conn, checkpoints, [cp.id], [CheckpointState.OPEN], CheckpointState.COMMITTING,
+                                 decided_at=now, committed_attempt=attempt_number)
+            (attempt_row,) = repo.cas(conn, attempts, [attempt.id], [AttemptState.OPEN], AttemptState.COMMITTING,
+                                      decided_at=now, partitions=len(results))
+            winners = repo.cas(conn, leases, [w.id for w in plan.winners], [LeaseState.PRECOMMITTED], LeaseState.COMMITTING)
             losers = repo.cas(conn, leases, [x.id for x in plan.losers], UNDECIDED_LEASE_STATES, LeaseState.ABORTING)
             repo.add_event(
                 conn, sink.id, "commit_decided", actor, now, cp.id, batch_id=batch_id, attempt=attempt_number,
                 winners=[[w.partition, w.id, w.transactional_id] for w in plan.winners],
             )
-            return cp.id, [repo.as_lease(r) for r in losers], None
+            decision = _Decision(
+                sink, repo.as_checkpoint(cp_row), repo.as_attempt(attempt_row), [repo.as_lease(r) for r in winners]
+            )
+            return cp.id, decision, [repo.as_lease(r) for r in losers], None
 
-        checkpoint_id, to_abort, refusal = self._tx(step)
+        checkpoint_id, decision, to_abort, refusal = self._tx(step)
         if refusal is not None:
             self._abort_on_kafka(name, to_abort)
             raise refusal
         try:
-            self._finish_commit(name, checkpoint_id)
+            result = self._commit_winners(decision) if decision else self._finish_commit(name, checkpoint_id)
         finally:
             # losers do not depend on the winners: end their transactions (which would block
             # read_committed consumers) even while the winners' commit waits for Kafka
             self._abort_on_kafka(name, to_abort)
-        return self._commit_result(name, batch_id)
+        if result is None or to_abort:  # the answer must show the states the aborts left
+            result = self._commit_result(name, batch_id)
+        return result
 
     def resume(self, name: str, batch_id: int) -> CommitResult:
         """Finish a decided commit (after a crash); answers from the record if it is finished."""
@@ -583,26 +608,23 @@ class Coordinator:
 
     def _commit_result(self, name: str, batch_id: int) -> CommitResult:
         """The answer to commit and resume, read from the record so that a retry (on any replica)
-        answers the same: the winners, and every other transaction of the checkpoint as aborted
-        or still to abort."""
+        answers the same."""
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             cp = repo.checkpoint_for(conn, sink, batch_id)
             assert cp.committed_attempt is not None
             attempt = repo.attempt_of(conn, cp.id, cp.committed_attempt)
-            winners = repo.leases_where(
-                conn,
-                leases.c.attempt_id == attempt.id,
-                leases.c.state.in_([LeaseState.COMMITTING.value, LeaseState.COMMITTED.value]),
-            )
-            others = repo.leases_where(
-                conn,
-                leases.c.checkpoint_id == cp.id,
-                leases.c.state.in_([LeaseState.ABORTED.value, LeaseState.ABORTING.value]),
-            )
+            return self._result_from(sink, cp, attempt, repo.leases_where(conn, leases.c.checkpoint_id == cp.id))
+
+    def _result_from(self, sink: Sink, cp: Checkpoint, attempt: Attempt, checkpoint_leases: list[Lease]) -> CommitResult:
+        """The winners, and every other transaction of the checkpoint as aborted or still to abort."""
+        winners = [
+            x for x in checkpoint_leases
+            if x.attempt_id == attempt.id and x.state in (LeaseState.COMMITTING, LeaseState.COMMITTED)
+        ]
         aborts = AbortOutcome(
-            aborted=[x.transactional_id for x in others if x.state is LeaseState.ABORTED],
-            pending=[x.transactional_id for x in others if x.state is LeaseState.ABORTING],
+            aborted=[x.transactional_id for x in checkpoint_leases if x.state is LeaseState.ABORTED],
+            pending=[x.transactional_id for x in checkpoint_leases if x.state is LeaseState.ABORTING],
         )
         warnings = []
         if attempt.decided_at is not None:
@@ -613,19 +635,24 @@ class Coordinator:
                 warnings.append(w)
         return CommitResult(checkpoint=cp, attempt=attempt, winners=winners, aborts=aborts, warnings=warnings)
 
-    def _finish_commit(self, name: str, checkpoint_id: int) -> None:
-        """Commit every decided winner on Kafka by resume, then mark the checkpoint COMMITTED.
-        Safe to run concurrently with itself (driver resume and recovery loop): every write is a CAS."""
+    def _finish_commit(self, name: str, checkpoint_id: int) -> CommitResult | None:
+        """Finish a decided commit found in the record (None if it was already finished)."""
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             cp = repo.as_checkpoint(conn.execute(select(checkpoints).where(checkpoints.c.id == checkpoint_id)).one())
             if cp.state is CheckpointState.COMMITTED:
-                return
+                return None
             assert cp.committed_attempt is not None
             attempt = repo.attempt_of(conn, cp.id, cp.committed_attempt)
             pending = repo.leases_where(
                 conn, leases.c.attempt_id == attempt.id, leases.c.state == LeaseState.COMMITTING.value
             )
+        return self._commit_winners(_Decision(sink, cp, attempt, pending))
+
+    def _commit_winners(self, decision: _Decision) -> CommitResult:
+        """Commit every decided winner on Kafka by resume, then mark the checkpoint COMMITTED.
+        Safe to run concurrently with itself (driver resume and recovery loop): every write is a CAS."""
+        sink, cp, attempt, pending = decision.sink, decision.checkpoint, decision.attempt, decision.winners
         if pending and self.control_plane is None:
             raise e.Unavailable(e.NO_CONTROL_PLANE, "no Kafka control plane configured to finish the commit")
         target = _target(sink)
@@ -646,7 +673,7 @@ class Coordinator:
             if error is not None:
                 failures[lease.transactional_id] = str(error)
 
-        def record(conn: Connection) -> bool:
+        def record(conn: Connection) -> CommitResult | None:
             now = self.clock.now()
             locked = repo.as_checkpoint(  # lock order: checkpoint before its leases
                 conn.execute(select(checkpoints).where(checkpoints.c.id == cp.id).with_for_update()).one()
@@ -654,31 +681,38 @@ class Coordinator:
             done = [x.id for x in pending if x.transactional_id not in failures]
             repo.cas(conn, leases, done, [LeaseState.COMMITTING], LeaseState.COMMITTED, resolved_at=now)
             repo.release_transactional_ids(conn, done)
-            # a concurrent finisher (driver resume vs recovery) may have committed those already
+            checkpoint_leases = repo.leases_where(conn, leases.c.checkpoint_id == cp.id)
+            # a concurrent finisher (driver resume vs recovery) may have committed some already
             still_committing = {
-                x.transactional_id
-                for x in repo.leases_where(conn, leases.c.attempt_id == attempt.id, leases.c.state == LeaseState.COMMITTING.value)
+                x.transactional_id for x in checkpoint_leases
+                if x.attempt_id == attempt.id and x.state is LeaseState.COMMITTING
             }
             for tid in list(failures):
                 if tid not in still_committing:
                     del failures[tid]
             if failures:
                 repo.add_event(conn, sink.id, "commit_failed", "coordinator", now, cp.id, failures=failures)
-                return False
+                return None
+            final_cp, final_attempt = locked, attempt
             if locked.state is CheckpointState.COMMITTING and not still_committing:
-                repo.cas(conn, attempts, [attempt.id], [AttemptState.COMMITTING], AttemptState.COMMITTED, finished_at=now)
-                repo.cas(conn, checkpoints, [cp.id], [CheckpointState.COMMITTING], CheckpointState.COMMITTED, committed_at=now)
+                (a,) = repo.cas(conn, attempts, [attempt.id], [AttemptState.COMMITTING], AttemptState.COMMITTED, finished_at=now)
+                (c,) = repo.cas(conn, checkpoints, [cp.id], [CheckpointState.COMMITTING], CheckpointState.COMMITTED, committed_at=now)
+                final_cp, final_attempt = repo.as_checkpoint(c), repo.as_attempt(a)
                 repo.add_event(conn, sink.id, "checkpoint_committed", "coordinator", now, cp.id,
                                batch_id=cp.batch_id, attempt=attempt.number)
-            return True
+            elif locked.state is CheckpointState.COMMITTED:
+                final_attempt = repo.attempt_by_id(conn, attempt.id)
+            return self._result_from(sink, final_cp, final_attempt, checkpoint_leases)
 
-        if not self._tx(record):
+        result = self._tx(record)
+        if result is None:
             raise e.Unavailable(
                 "kafka_commit_failed",
                 f"the commit of batch {cp.batch_id} is decided but {len(failures)} transaction(s) could "
                 "not be committed on Kafka yet; retry (resume) — the decision stands",
                 failures=failures,
             )
+        return result
 
     # --- abort --------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ def build_coordinator(settings: Settings) -> Coordinator:
         raise ValueError("COORDINATOR_DATABASE_URL is not set")
     return Coordinator(
         make_engine(settings.database_url, pool_size=settings.db_pool_size),
-        build_control_plane(settings.kafka_control_plane),
+        build_control_plane(settings.kafka_control_plane, **settings.kafka_options()),
         limits=Limits(
             max_partitions=settings.max_partitions,
             broker_max_transaction_timeout_ms=settings.broker_max_transaction_timeout_ms,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ class KafkaControlPlane(Protocol):
 
     def abort(self, target: KafkaTarget, transactional_id: str) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class RecordingControlPlane:
     """Test-only: records commits and aborts instead of sending them. `fail_next` makes the next
@@ -85,10 +87,15 @@ class RecordingControlPlane:
         with self._lock:
             self.aborts.append((target.sink_name, transactional_id))
 
+    def close(self) -> None:
+        pass
 
-def build_control_plane(kind: str | None) -> KafkaControlPlane | None:
+
+def build_control_plane(kind: str | None, **kafka_options: Any) -> KafkaControlPlane | None:
     """`None` (not configured): the service runs, but refuses to decide commits (503) and leaves
-    aborts pending, because it cannot act on Kafka. "none": the recording test mode."""
+    aborts pending, because it cannot act on Kafka. "none": the recording test mode. "kafka": the
+    real control plane on Kafka's wire protocol (coordinator/kafka_wire.py), built with
+    `kafka_options` (timeouts, retry budget, client security settings)."""
     if kind is None:
         log.warning(
             "no Kafka control plane is configured (COORDINATOR_KAFKA_CONTROL_PLANE): commits will "
@@ -101,4 +108,8 @@ def build_control_plane(kind: str | None) -> KafkaControlPlane | None:
             "to Kafka. This mode is for tests only; never use it in production."
         )
         return RecordingControlPlane()
+    if kind == "kafka":
+        from .kafka_wire import KafkaWireControlPlane  # imports kafka-python only when chosen
+
+        return KafkaWireControlPlane(**kafka_options)
     raise ValueError(f"unknown Kafka control plane {kind!r}")

@@ -117,6 +117,8 @@ class Coordinator:
 
     def close(self) -> None:
         self._kafka_pool.shutdown(wait=True)
+        if self.control_plane is not None:
+            self.control_plane.close()
 
     # --- transactions ------------------------------------------------------------------------
 

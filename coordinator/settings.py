@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -28,12 +28,29 @@ class Settings(BaseSettings):
     token_secret: SecretStr | None = None
     # How the coordinator acts on Kafka. Unset: commits are refused (503) until one is set.
     # "none": record-only test mode that never touches Kafka.
-    kafka_control_plane: Literal["none"] | None = None
+    kafka_control_plane: Literal["none", "kafka"] | None = None
+    # The "kafka" control plane: per-request timeout, total retry time for one commit or abort,
+    # and kafka-python client settings for security (JSON, e.g. {"security_protocol":
+    # "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "coordinator"}).
+    kafka_request_timeout_ms: int = Field(10_000, ge=100)
+    kafka_retry_budget_ms: int = Field(30_000, ge=0)
+    kafka_client_config: dict[str, Any] = {}
+    kafka_sasl_password: SecretStr | None = None
     max_partitions: int = Field(4096, ge=1, le=100_000)
     broker_max_transaction_timeout_ms: int = Field(900_000, ge=1_000)
     restart_budget_ms: int = Field(60_000, ge=0)
     db_pool_size: int = Field(20, ge=1, le=500)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def kafka_options(self) -> dict[str, Any]:
+        client = dict(self.kafka_client_config)
+        if self.kafka_sasl_password is not None:
+            client["sasl_plain_password"] = self.kafka_sasl_password.get_secret_value()
+        return {
+            "request_timeout_ms": self.kafka_request_timeout_ms,
+            "retry_budget_ms": self.kafka_retry_budget_ms,
+            "client_config": client,
+        }
 
     def writer_token_secret(self) -> bytes:
         if self.token_secret is not None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from datetime import datetime
-from typing import Any, Self
+from functools import cache
+from typing import Any, Self, get_type_hints
 
 from .states import AttemptState, CheckpointState, LeaseState, TransactionalIdState
 
@@ -13,8 +14,16 @@ from .states import AttemptState, CheckpointState, LeaseState, TransactionalIdSt
 class _Record:
     @classmethod
     def from_mapping(cls, row: Any) -> Self:
-        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
-        return cls(**{name: row[name] for name in names})
+        """Build from a row mapping with the fields' names; a `state` column becomes its enum."""
+        values = {f.name: row[f.name] for f in fields(cls)}  # type: ignore[arg-type]
+        if "state" in values:
+            values["state"] = _state_type(cls)(values["state"])
+        return cls(**values)
+
+
+@cache
+def _state_type(cls: type) -> Any:
+    return get_type_hints(cls)["state"]
 
 
 @dataclass(frozen=True)

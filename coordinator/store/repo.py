@@ -19,7 +19,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from ..protocol import errors as e
 from ..protocol.invariants import Snapshot
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink, TransactionalId
-from ..protocol.states import AttemptState, CheckpointState, LeaseState, TransactionalIdState, require_transition
+from ..protocol.states import TransactionalIdState, require_transition
 from .tables import attempts, checkpoints, events, leases, sinks, transactional_ids
 
 
@@ -93,27 +93,19 @@ def _as_sink(row: Row) -> Sink:
 
 
 def as_checkpoint(row: Row) -> Checkpoint:
-    m = dict(row._mapping)
-    m["state"] = CheckpointState(m["state"])
-    return Checkpoint.from_mapping(m)
+    return Checkpoint.from_mapping(row._mapping)
 
 
 def as_attempt(row: Row) -> Attempt:
-    m = dict(row._mapping)
-    m["state"] = AttemptState(m["state"])
-    return Attempt.from_mapping(m)
+    return Attempt.from_mapping(row._mapping)
 
 
 def as_lease(row: Row) -> Lease:
-    m = dict(row._mapping)
-    m["state"] = LeaseState(m["state"])
-    return Lease.from_mapping(m)
+    return Lease.from_mapping(row._mapping)
 
 
 def as_transactional_id(row: Row) -> TransactionalId:
-    m = dict(row._mapping)
-    m["state"] = TransactionalIdState(m["state"])
-    return TransactionalId.from_mapping(m)
+    return TransactionalId.from_mapping(row._mapping)
 
 
 @cache

@@ -46,12 +46,64 @@ class ControlPlaneError(Exception):
         self.code = code
 
 
+@dataclass(frozen=True)
+class OpenTransaction:
+    """A transaction the broker reports as not completed (KIP-664 ListTransactions +
+    DescribeTransactions)."""
+
+    transactional_id: str
+    producer_id: int
+    producer_epoch: int
+    state: str  # Kafka's name: Ongoing, PrepareCommit, PrepareAbort, ...
+    started_at_ms: int | None  # broker time the transaction started, epoch ms
+    timeout_ms: int | None
+    partitions: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class PartitionStability:
+    """One output partition as a read_committed consumer sees it: the last stable offset stops at
+    the first offset of the oldest open transaction (KIP-664 DescribeProducers names it)."""
+
+    topic: str
+    partition: int
+    high_watermark: int
+    last_stable_offset: int
+    blocking_producer_id: int | None = None
+    blocking_producer_epoch: int | None = None
+    blocking_txn_start_offset: int | None = None
+
+
+@dataclass(frozen=True)
+class BrokerCheck:
+    """One verdict of a broker check, in plain words, with the fix when it failed."""
+
+    name: str
+    ok: bool
+    verdict: str
+    fix: str | None = None
+
+
 class KafkaControlPlane(Protocol):
     name: str
 
     def commit(self, target: KafkaTarget, txn: PreparedTransaction) -> None: ...
 
     def abort(self, target: KafkaTarget, transactional_id: str) -> None: ...
+
+    def list_open_transactions(self, target: KafkaTarget, prefix: str) -> list[OpenTransaction]:
+        """Every transaction not completed on the broker whose transactional id starts with prefix."""
+        ...
+
+    def partition_stability(self, target: KafkaTarget, topics: list[str]) -> list[PartitionStability]:
+        """High watermark and last stable offset of every partition of these topics."""
+        ...
+
+    def check_broker(self, target: KafkaTarget, prefix: str, known_ids: set[str]) -> list[BrokerCheck]:
+        """Reachability, advertised listeners, transaction support, transaction.max.timeout.ms
+        against target.transaction_timeout_ms, and transactional ids under prefix that are not
+        in known_ids (another producer using the prefix)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -65,6 +117,8 @@ class RecordingControlPlane:
     def __init__(self) -> None:
         self.commits: list[tuple[str, PreparedTransaction]] = []
         self.aborts: list[tuple[str, str]] = []
+        self.open_transactions: list[OpenTransaction] = []
+        self.partitions: list[PartitionStability] = []
         self._failures: list[ControlPlaneError] = []
         self._lock = threading.Lock()
 
@@ -86,6 +140,21 @@ class RecordingControlPlane:
         self._maybe_fail()
         with self._lock:
             self.aborts.append((target.sink_name, transactional_id))
+
+    # Observations are whatever a test put here (a broker stand-in with settable answers).
+    def list_open_transactions(self, target: KafkaTarget, prefix: str) -> list[OpenTransaction]:
+        self._maybe_fail()
+        with self._lock:
+            return [t for t in self.open_transactions if t.transactional_id.startswith(prefix)]
+
+    def partition_stability(self, target: KafkaTarget, topics: list[str]) -> list[PartitionStability]:
+        self._maybe_fail()
+        with self._lock:
+            return [p for p in self.partitions if p.topic in topics]
+
+    def check_broker(self, target: KafkaTarget, prefix: str, known_ids: set[str]) -> list[BrokerCheck]:
+        self._maybe_fail()
+        return [BrokerCheck("control_plane", True, "record-only test control plane: no broker was checked")]
 
     def close(self) -> None:
         pass

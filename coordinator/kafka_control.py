@@ -135,11 +135,16 @@ class RecordingControlPlane:
         self._maybe_fail()
         with self._lock:
             self.commits.append((target.sink_name, txn))
+            self._end(txn.transactional_id)
 
     def abort(self, target: KafkaTarget, transactional_id: str) -> None:
         self._maybe_fail()
         with self._lock:
             self.aborts.append((target.sink_name, transactional_id))
+            self._end(transactional_id)
+
+    def _end(self, transactional_id: str) -> None:
+        self.open_transactions = [t for t in self.open_transactions if t.transactional_id != transactional_id]
 
     # Observations are whatever a test put here (a broker stand-in with settable answers).
     def list_open_transactions(self, target: KafkaTarget, prefix: str) -> list[OpenTransaction]:

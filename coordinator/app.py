@@ -4,11 +4,15 @@ factory uvicorn calls in every worker process."""
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
 from .api import create_app
 from .kafka_control import build_control_plane
+from .recovery import RecoveryLoop
 from .service import Coordinator, Limits
 from .settings import Settings
 from .store.db import make_engine
@@ -33,8 +37,38 @@ def create_app_from_env() -> FastAPI:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.admin_token is None:
         raise ValueError("COORDINATOR_ADMIN_TOKEN is not set")
-    return create_app(
-        build_coordinator(settings),
+    coordinator = build_coordinator(settings)
+    app = create_app(
+        coordinator,
         admin_token=settings.admin_token.get_secret_value(),
         token_secret=settings.writer_token_secret(),
     )
+    if settings.recovery_enabled:
+        loop = RecoveryLoop(
+            coordinator, interval_ms=settings.recovery_interval_ms, leader_ttl_ms=settings.recovery_leader_ttl_ms
+        )
+        with_recovery_loop(app, loop)
+    else:
+        logging.getLogger(__name__).warning(
+            "COORDINATOR_RECOVERY_ENABLED=false: this process never runs the recovery loop; decided commits "
+            "finish only when a driver resumes them, and nothing sweeps lingering transactions"
+        )
+    return app
+
+
+def with_recovery_loop(app: FastAPI, loop: RecoveryLoop) -> FastAPI:
+    """Run the loop's thread for the app's lifetime (around any lifespan the app already has)."""
+    inner = app.router.lifespan_context
+    app.state.recovery_loop = loop
+
+    @asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        loop.start()
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            loop.stop()
+
+    app.router.lifespan_context = lifespan
+    return app

@@ -20,16 +20,39 @@ from sqlalchemy import Connection, Engine, func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
+from . import metrics
 from .clock import Clock, SystemClock
-from .kafka_control import ControlPlaneError, KafkaControlPlane, KafkaTarget, PreparedTransaction
+from .kafka_control import (
+    ControlPlaneError,
+    KafkaControlPlane,
+    KafkaTarget,
+    OpenTransaction,
+    PreparedTransaction,
+)
 from .protocol import errors as e
-from .protocol import rules
+from .protocol import recovery_rules, rules
 from .protocol.invariants import Snapshot
 from .protocol.model import Attempt, Checkpoint, Lease, PartitionResult, Sink
 from .protocol.rules import BeginAction, PrecommitRequest
-from .protocol.states import AttemptState, CheckpointState, LeaseState, UNDECIDED_LEASE_STATES, UNRESOLVED_LEASE_STATES
+from .protocol.states import (
+    ABORT_PENDING_STATES,
+    LOST_LEASE_STATES,
+    UNDECIDED_LEASE_STATES,
+    UNRESOLVED_LEASE_STATES,
+    AttemptState,
+    CheckpointState,
+    LeaseState,
+)
 from .store import repo
-from .store.tables import attempts, checkpoints, events, generations, leases, sinks, transactional_ids
+from .store.tables import (
+    attempts,
+    checkpoints,
+    events,
+    generations,
+    leases,
+    sinks,
+    transactional_ids,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,6 +115,25 @@ class _Decision:
     checkpoint: Checkpoint
     attempt: Attempt
     winners: list[Lease]
+
+
+@dataclass(frozen=True)
+class FinishOutcome:
+    """What finishing the sink's decided commits did (recovery loop)."""
+
+    committed: list[int] = field(default_factory=list)  # batch ids now COMMITTED
+    lost: list[int] = field(default_factory=list)  # batch ids LOST (Kafka refused a winner for good)
+    failed: dict[int, str] = field(default_factory=dict)  # batch id -> why it is still COMMITTING
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    """The lingering-transaction sweep of one sink."""
+
+    found: list[OpenTransaction] = field(default_factory=list)  # open, and unexplained by the database
+    aborted: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # being leased right now (row locked): explained
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -288,6 +330,7 @@ class Coordinator:
         def step(conn: Connection) -> tuple[BeginAction, Checkpoint, Attempt | None, list[Lease], list[int], list[Lease]]:
             sink = repo.sink_by_name(conn, name)
             rules.check_generation(sink.generation, generation)
+            rules.check_not_halted(sink)  # lost data: no new batch until an operator acknowledges
             if sink.lineage_query_id is None:  # only after a lineage reset, before a new start
                 raise e.Conflict(e.LINEAGE_NOT_BOUND, "no query is bound to this sink; start a generation first")
             now = self.clock.now()
@@ -339,11 +382,18 @@ class Coordinator:
 
         action, cp, attempt, to_abort, unfinished, older = self._tx(step)
         finished = list(unfinished)
-        for other in unfinished:  # decided commits of earlier batches finish first
-            self._finish_commit(name, other)
-        if action is BeginAction.RESUME:
-            self._finish_commit(name, cp.id)
-            finished.append(cp.id)
+        try:
+            for other in unfinished:  # decided commits of earlier batches finish first
+                self._finish_commit(name, other)
+            if action is BeginAction.RESUME:
+                self._finish_commit(name, cp.id)
+                finished.append(cp.id)
+        except e.Conflict as exc:
+            if exc.reason != e.DATA_LOST:
+                raise
+            self._abort_on_kafka(name, to_abort)
+            rules.check_not_halted(self.get_sink(name))  # the loss just halted the sink: say so
+            raise
         # a finished commit's losers (left ABORTING when its first try failed) end too, as in resume
         kafka_work = [*to_abort, *self._aborting_leases(finished)]
         if kafka_work or action is BeginAction.RESUME:
@@ -535,10 +585,10 @@ class Coordinator:
                         f"batch {batch_id} was committed by attempt {cp.committed_attempt}",
                         committed_attempt=cp.committed_attempt,
                     )
-                decided = repo.leases_where(
+                decided = repo.leases_where(  # the winners, including any Kafka refused (lost)
                     conn,
                     leases.c.attempt_id == attempt.id,
-                    leases.c.state.in_([LeaseState.COMMITTING.value, LeaseState.COMMITTED.value]),
+                    leases.c.state.in_([s.value for s in (LeaseState.COMMITTING, LeaseState.COMMITTED, *LOST_LEASE_STATES)]),
                 )
                 rules.check_same_winners(results, decided)
                 # a retry: finish (if needed), end the losers' transactions still to abort, and
@@ -548,8 +598,17 @@ class Coordinator:
                 raise e.Conflict(e.DEADLINE_TOO_CLOSE, f"attempt {attempt_number} was aborted by the timeout gate")
             rules.check_attempt_writable(attempt, cp.current_attempt, generation)
             attempt_leases = repo.leases_where(conn, leases.c.attempt_id == attempt.id, lock=True)
-            plan = rules.plan_commit(attempt_leases, results, self.limits.max_partitions)
             now = self.clock.now()
+            try:
+                plan = rules.plan_commit(attempt_leases, results, self.limits.max_partitions)
+            except e.Conflict as refusal:
+                named = {x.id: x for x in attempt_leases}.get(refusal.detail.get("lease_id", -1))
+                if refusal.reason != e.WINNER_NOT_PRECOMMITTED or named is None:
+                    raise
+                if not rules.winner_expired(named, now, sink.commit_margin_ms):
+                    raise
+                # the recovery loop aborted it because it could no longer pass the timeout gate
+                plan = rules.CommitPlan(winners=(named,), losers=())
             try:
                 rules.check_commit_deadlines(plan.winners, now, sink.commit_margin_ms)
             except e.Conflict as refusal:
@@ -605,7 +664,9 @@ class Coordinator:
             with self.engine.connect() as own:
                 return self._aborting_leases(checkpoint_ids, own)
         return repo.leases_where(
-            conn, leases.c.checkpoint_id.in_(list(checkpoint_ids)), leases.c.state == LeaseState.ABORTING.value
+            conn,
+            leases.c.checkpoint_id.in_(list(checkpoint_ids)),
+            leases.c.state.in_([s.value for s in ABORT_PENDING_STATES]),
         )
 
     def _commit_result(self, name: str, batch_id: int) -> CommitResult:
@@ -626,7 +687,7 @@ class Coordinator:
         ]
         aborts = AbortOutcome(
             aborted=[x.transactional_id for x in checkpoint_leases if x.state is LeaseState.ABORTED],
-            pending=[x.transactional_id for x in checkpoint_leases if x.state is LeaseState.ABORTING],
+            pending=[x.transactional_id for x in checkpoint_leases if x.state in ABORT_PENDING_STATES],
         )
         warnings = []
         if attempt.decided_at is not None:
@@ -644,6 +705,7 @@ class Coordinator:
             cp = repo.as_checkpoint(conn.execute(select(checkpoints).where(checkpoints.c.id == checkpoint_id)).one())
             if cp.state is CheckpointState.COMMITTED:
                 return None
+            # COMMITTING, or LOST (raises data_lost after committing any winner still to commit)
             assert cp.committed_attempt is not None
             attempt = repo.attempt_of(conn, cp.id, cp.committed_attempt)
             pending = repo.leases_where(
@@ -671,18 +733,32 @@ class Coordinator:
             return None
 
         failures = {}
+        refused: dict[str, rules.RefusedCommit] = {}  # refused for good: the data is lost
         for lease, error in zip(pending, self._parallel(commit_one, pending)):
             if error is not None:
                 failures[lease.transactional_id] = str(error)
+                if not error.retriable:
+                    refused[lease.transactional_id] = rules.RefusedCommit(lease, error.code, str(error))
+        newly_lost: list[Lease] = []
+        outcome: dict[str, Any] = {}
 
         def record(conn: Connection) -> CommitResult | None:
+            newly_lost.clear()
+            outcome.clear()
             now = self.clock.now()
+            if refused:  # lock order: sink before checkpoint (the halt is written on the sink)
+                repo.sink_by_name(conn, sink.name, lock="update")
             locked = repo.as_checkpoint(  # lock order: checkpoint before its leases
                 conn.execute(select(checkpoints).where(checkpoints.c.id == cp.id).with_for_update()).one()
             )
             done = [x.id for x in pending if x.transactional_id not in failures]
             repo.cas(conn, leases, done, [LeaseState.COMMITTING], LeaseState.COMMITTED, resolved_at=now)
             repo.release_transactional_ids(conn, done)
+            # refused winners: their ids are fenced on Kafka (LOST_ABORTING) before they are free
+            lost_rows = repo.cas(
+                conn, leases, [r.lease.id for r in refused.values()], [LeaseState.COMMITTING], LeaseState.LOST_ABORTING
+            )
+            newly_lost.extend(repo.as_lease(r) for r in lost_rows)
             checkpoint_leases = repo.leases_where(conn, leases.c.checkpoint_id == cp.id)
             # a concurrent finisher (driver resume vs recovery) may have committed some already
             still_committing = {
@@ -692,8 +768,15 @@ class Coordinator:
             for tid in list(failures):
                 if tid not in still_committing:
                     del failures[tid]
+            if newly_lost:
+                outcome["became_lost"] = locked.state is CheckpointState.COMMITTING
+                locked = self._record_loss(conn, sink, locked, attempt, [refused[x.transactional_id] for x in newly_lost],
+                                           sorted(still_committing), now)
+            outcome["checkpoint"] = locked
             if failures:
                 repo.add_event(conn, sink.id, "commit_failed", "coordinator", now, cp.id, failures=failures)
+                return None
+            if locked.state is CheckpointState.LOST:
                 return None
             final_cp, final_attempt = locked, attempt
             if locked.state is CheckpointState.COMMITTING and not still_committing:
@@ -707,6 +790,18 @@ class Coordinator:
             return self._result_from(sink, final_cp, final_attempt, checkpoint_leases)
 
         result = self._tx(record)
+        final: Checkpoint = outcome["checkpoint"]
+        if newly_lost:  # counted after the transaction committed (it may have been retried)
+            metrics.TRANSACTIONS_LOST.labels(sink.name).inc(len(newly_lost))
+            metrics.SINK_HALTED.labels(sink.name).set(1)
+            if outcome.get("became_lost"):
+                metrics.CHECKPOINTS_LOST.labels(sink.name).inc()
+            log.error("DATA LOST on sink %s: %s (sink halted until an operator acknowledges)", sink.name,
+                      rules.lost_reason(cp.batch_id, [refused[x.transactional_id] for x in newly_lost]))
+        if final.state is CheckpointState.LOST:
+            # fence the refused winners' ids before they can be leased again (I3)
+            self._abort_on_kafka(sink.name, self._aborting_leases([cp.id]))
+            raise rules.data_lost(final)
         if result is None:
             raise e.Unavailable(
                 "kafka_commit_failed",
@@ -715,6 +810,72 @@ class Coordinator:
                 failures=failures,
             )
         return result
+
+    def _record_loss(
+        self,
+        conn: Connection,
+        sink: Sink,
+        cp: Checkpoint,
+        attempt: Attempt,
+        refused: list[rules.RefusedCommit],
+        still_committing: list[str],
+        now: datetime,
+    ) -> Checkpoint:
+        """Kafka refused decided winners for good: the checkpoint and its attempt become LOST, the
+        sink is halted, and the alert goes into the audit trail (the caller counts the metric)."""
+        reason = rules.lost_reason(cp.batch_id, refused)
+        if cp.state is CheckpointState.COMMITTING:
+            (c,) = repo.cas(conn, checkpoints, [cp.id], [CheckpointState.COMMITTING], CheckpointState.LOST,
+                            lost_reason=reason, lost_at=now)
+            repo.cas(conn, attempts, [attempt.id], [AttemptState.COMMITTING], AttemptState.LOST, finished_at=now)
+            cp = repo.as_checkpoint(c)
+        conn.execute(
+            update(sinks).where(sinks.c.id == sink.id, sinks.c.halted_at.is_(None)).values(halted_reason=reason, halted_at=now)
+        )
+        repo.add_event(
+            conn, sink.id, "data_lost", "coordinator", now, cp.id,
+            batch_id=cp.batch_id, attempt=attempt.number, reason=reason,
+            lost=[
+                dict(partition=r.lease.partition, lease_id=r.lease.id, transactional_id=r.lease.transactional_id,
+                     producer_id=r.lease.producer_id, producer_epoch=r.lease.producer_epoch,
+                     records=r.lease.records, code=r.code, message=r.message[:500])
+                for r in refused
+            ],
+            still_committing=still_committing,
+        )
+        return cp
+
+    def acknowledge_lost_data(
+        self, name: str, actor: str, reason: str, operator: str | None = None
+    ) -> tuple[Sink, bool, list[int]]:
+        """Operator action: clear a sink's lost-data halt. Returns the sink, whether it was halted,
+        and the batch ids of the sink's LOST checkpoints (a retried acknowledgement, or one of a
+        sink that is not halted, changes nothing and answers False)."""
+
+        def step(conn: Connection) -> tuple[Sink, bool, list[int]]:
+            sink = repo.sink_by_name(conn, name, lock="update")
+            if sink.halted_at is None:
+                return sink, False, []
+            lost = conn.execute(
+                select(checkpoints.c.batch_id).where(
+                    checkpoints.c.sink_id == sink.id, checkpoints.c.state == CheckpointState.LOST.value
+                ).order_by(checkpoints.c.batch_id)
+            ).scalars().all()
+            now = self.clock.now()
+            conn.execute(update(sinks).where(sinks.c.id == sink.id).values(halted_reason=None, halted_at=None))
+            repo.add_event(
+                conn, sink.id, "lost_data_acknowledged", actor, now,
+                reason=reason, operator=operator, halted_reason=sink.halted_reason,
+                halted_at=sink.halted_at.isoformat(), lost_batches=list(lost),
+            )
+            return repo.sink_by_name(conn, name), True, list(lost)
+
+        sink, was_halted, lost = self._tx(step)
+        if was_halted:
+            metrics.LOST_DATA_ACKNOWLEDGED.labels(name).inc()
+            log.warning("sink %s: lost data acknowledged by %s (%s): %s", name, actor, operator, reason)
+        metrics.SINK_HALTED.labels(name).set(0)
+        return sink, was_halted, lost
 
     # --- abort --------------------------------------------------------------------------------
 
@@ -752,7 +913,9 @@ class Coordinator:
         """Abort on Kafka every transaction the database marks ABORTING (recovery loop's job)."""
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
-            pending = repo.leases_where(conn, leases.c.sink_id == sink.id, leases.c.state == LeaseState.ABORTING.value)
+            pending = repo.leases_where(
+                conn, leases.c.sink_id == sink.id, leases.c.state.in_([s.value for s in ABORT_PENDING_STATES])
+            )
         return self._abort_on_kafka(name, pending)
 
     def _abort_on_kafka(self, name: str, to_abort: Sequence[Lease]) -> AbortOutcome:
@@ -786,11 +949,13 @@ class Coordinator:
         states = dict(
             guard.execute(select(leases.c.id, leases.c.state).where(leases.c.id.in_([x.id for x in candidates]))).all()
         )
-        to_abort = [x for x in candidates if x.id in claimed and states.get(x.id) == LeaseState.ABORTING.value]
-        already = [x.transactional_id for x in candidates if states.get(x.id) == LeaseState.ABORTED.value]
+        pending_states = {s.value for s in ABORT_PENDING_STATES}
+        ended_states = {s.value for s in ABORT_PENDING_STATES.values()}
+        to_abort = [x for x in candidates if x.id in claimed and states.get(x.id) in pending_states]
+        already = [x.transactional_id for x in candidates if states.get(x.id) in ended_states]
         elsewhere = [
             x.transactional_id for x in candidates
-            if x.id not in claimed and states.get(x.id) != LeaseState.ABORTED.value
+            if x.id not in claimed and states.get(x.id) not in ended_states
         ]
         if not to_abort:
             return AbortOutcome(aborted=already, pending=elsewhere)
@@ -813,7 +978,10 @@ class Coordinator:
 
         def record(conn: Connection) -> None:
             now = self.clock.now()
-            changed = repo.cas(conn, leases, [x.id for x in done], [LeaseState.ABORTING], LeaseState.ABORTED, resolved_at=now)
+            changed = []
+            for old, new in ABORT_PENDING_STATES.items():  # ABORTING -> ABORTED, LOST_ABORTING -> LOST
+                changed += repo.cas(conn, leases, [x.id for x in done if states[x.id] == old.value], [old], new,
+                                    resolved_at=now)
             repo.release_transactional_ids(conn, [r.id for r in changed])
             if changed:
                 repo.add_event(conn, sink.id, "transactions_aborted", "coordinator", now,
@@ -828,6 +996,209 @@ class Coordinator:
         if len(items) <= 1:
             return [fn(x) for x in items]
         return list(self._kafka_pool.map(fn, items))
+
+    # --- recovery (driven by coordinator/recovery.py) ------------------------------------------
+
+    def finish_decided_commits(self, name: str) -> FinishOutcome:
+        """Finish every decided commit of the sink (COMMITTING checkpoints, and winners of LOST
+        ones still to commit), then end their losers' transactions. Nobody needs to call back."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            candidates = [
+                repo.as_checkpoint(r) for r in conn.execute(
+                    select(checkpoints).where(
+                        checkpoints.c.sink_id == sink.id,
+                        checkpoints.c.state.in_([CheckpointState.COMMITTING.value, CheckpointState.LOST.value]),
+                    )
+                )
+            ]
+            committing = repo.leases_where(
+                conn, leases.c.sink_id == sink.id, leases.c.state == LeaseState.COMMITTING.value
+            ) if candidates else []
+        by_id = {c.id: c for c in candidates}
+        out = FinishOutcome()
+        for cp_id in recovery_rules.checkpoints_to_finish(candidates, committing):
+            batch = by_id[cp_id].batch_id
+            try:
+                try:
+                    self._finish_commit(name, cp_id)
+                finally:
+                    self._abort_on_kafka(name, self._aborting_leases([cp_id]))
+                out.committed.append(batch)
+            except e.Conflict as exc:
+                if exc.reason != e.DATA_LOST:
+                    raise
+                out.lost.append(batch)
+            except (e.Unavailable, ControlPlaneError) as exc:
+                out.failed[batch] = str(exc)
+        return out
+
+    def abort_expired_leases(self, name: str) -> tuple[list[Lease], AbortOutcome]:
+        """Abort the undecided leases of open attempts whose transactions can no longer pass the
+        commit gate (an executor died, or a driver vanished mid-batch). Their ids stay LEASED
+        until the abort is done on Kafka (I3)."""
+
+        def step(conn: Connection) -> list[Lease]:
+            sink = repo.sink_by_name(conn, name)
+            open_attempts = select(attempts.c.id).where(
+                attempts.c.sink_id == sink.id, attempts.c.state == AttemptState.OPEN.value
+            )
+            candidates = repo.leases_where(
+                conn,
+                leases.c.sink_id == sink.id,
+                leases.c.state.in_([x.value for x in UNDECIDED_LEASE_STATES]),
+                leases.c.attempt_id.in_(open_attempts),
+            )
+            attempt_rows = [repo.attempt_by_id(conn, a) for a in {x.attempt_id for x in candidates}]
+            now = self.clock.now()
+            expired = recovery_rules.expired_leases(candidates, attempt_rows, now, sink.commit_margin_ms)
+            if not expired:
+                return []
+            # lock order: leases by id (as commit does); the CAS re-checks state and the open attempt
+            repo.leases_where(conn, leases.c.id.in_([x.id for x in expired]), lock=True)
+            changed = repo.cas(
+                conn, leases, [x.id for x in expired], UNDECIDED_LEASE_STATES, LeaseState.ABORTING,
+                where=[leases.c.attempt_id.in_(open_attempts)],
+            )
+            for cp_id in sorted({r.checkpoint_id for r in changed}):
+                repo.add_event(
+                    conn, sink.id, "expired_leases_aborted", "recovery", now, cp_id,
+                    leases=[[r.id, r.partition, r.transactional_id, str(r.deadline_at)] for r in changed
+                            if r.checkpoint_id == cp_id],
+                )
+            return [repo.as_lease(r) for r in changed]
+
+        expired = self._tx(step)
+        if expired:
+            metrics.EXPIRED_LEASES_ABORTED.labels(name).inc(len(expired))
+        return expired, self._abort_on_kafka(name, expired)
+
+    def warn_near_timeout(self, name: str, fraction: float = recovery_rules.WARN_FRACTION) -> tuple[list[Lease], list[Lease]]:
+        """Pre-committed or committing transactions past `fraction` of their lifetime. Returns
+        (all of them, those warned about for the first time: a `transaction_near_timeout` event each)."""
+
+        def step(conn: Connection) -> tuple[list[Lease], list[Lease]]:
+            sink = repo.sink_by_name(conn, name)
+            live = repo.leases_where(
+                conn,
+                leases.c.sink_id == sink.id,
+                leases.c.state.in_([LeaseState.PRECOMMITTED.value, LeaseState.COMMITTING.value]),
+            )
+            now = self.clock.now()
+            near = recovery_rules.near_timeout(live, now, sink.transaction_timeout_ms, fraction)
+            if not near:
+                return [], []
+            warned = set(conn.execute(
+                select(events.c.detail["lease_id"].as_integer()).where(
+                    events.c.sink_id == sink.id,
+                    events.c.kind == "transaction_near_timeout",
+                    events.c.checkpoint_id.in_(sorted({x.checkpoint_id for x in near})),
+                )
+            ).scalars())
+            new = [x for x in near if x.id not in warned]
+            for x in new:
+                repo.add_event(
+                    conn, sink.id, "transaction_near_timeout", "recovery", now, x.checkpoint_id,
+                    lease_id=x.id, transactional_id=x.transactional_id, state=str(x.state),
+                    age_fraction=round(rules.transaction_age_fraction(x, now, sink.transaction_timeout_ms), 3),
+                    remaining_ms=rules.remaining_ms(x, now),
+                )
+            return near, new
+
+        near, new = self._tx(step)
+        metrics.TRANSACTIONS_NEAR_TIMEOUT.labels(name).set(len(near))
+        if new:
+            metrics.TRANSACTION_TIMEOUT_WARNINGS.labels(name).inc(len(new))
+            for x in new:
+                log.warning("sink %s: transaction %s (lease %s, %s) is past %d%% of its timeout", name,
+                            x.transactional_id, x.id, x.state, int(fraction * 100))
+        return near, new
+
+    def sweep_lingering(self, name: str) -> SweepOutcome:
+        """Abort the open transactions under the sink's prefix that the database does not explain
+        (DESIGN.md §3 step 6, I6): left by a lost lease record, an old deployment, or a producer
+        that outlived its lease.
+
+        Each abort runs while the id's pool row is locked FOR UPDATE NOWAIT and FREE (or, for an
+        id not in the pool, while the pool cannot grow), so no lease of that id can be granted
+        while the abort is on its way: it can never fence a newly leased producer. This is the one
+        place a database transaction stays open across a Kafka call; it blocks nobody, because
+        lease grants skip locked rows."""
+        if self.control_plane is None:
+            raise e.Unavailable(e.NO_CONTROL_PLANE, "no Kafka control plane configured to sweep the broker")
+        sink = self.get_sink(name)
+        target = _target(sink)
+        open_now = self.control_plane.list_open_transactions(target, sink.transactional_id_prefix + "-")
+        if not open_now:
+            return SweepOutcome()
+        # read after listing: a transaction open at listing time was leased before it (a lease is
+        # durable before its producer exists), so an id free now had its lease resolved since
+        unresolved = self.possibly_open_transactions(name)
+        found = recovery_rules.lingering(open_now, unresolved)
+        if not found:
+            return SweepOutcome()
+        metrics.LINGERING_FOUND.labels(name).inc(len(found))
+        now = self.clock.now()
+        self._tx(lambda conn: repo.add_event(
+            conn, sink.id, "lingering_transactions_found", "recovery", now,
+            transactions=[dict(transactional_id=t.transactional_id, producer_id=t.producer_id,
+                               producer_epoch=t.producer_epoch, state=t.state, started_at_ms=t.started_at_ms,
+                               partitions=[list(p) for p in t.partitions]) for t in found],
+        ))
+        log.warning("sink %s: %d lingering transaction(s) the database does not explain: %s", name, len(found),
+                    [t.transactional_id for t in found])
+        aborted: list[str] = []
+        skipped: list[str] = []
+        failed: dict[str, str] = {}
+        for t in found:
+            verdict = self._abort_lingering(sink, target, t)
+            if verdict is None:
+                aborted.append(t.transactional_id)
+            elif verdict == "skipped":
+                skipped.append(t.transactional_id)
+            else:
+                failed[t.transactional_id] = verdict
+        if aborted:
+            metrics.LINGERING_ABORTED.labels(name).inc(len(aborted))
+        return SweepOutcome(found=found, aborted=aborted, skipped=skipped, failed=failed)
+
+    def _abort_lingering(self, sink: Sink, target: KafkaTarget, txn: OpenTransaction) -> str | None:
+        """None if aborted, "skipped" if the id is (being) leased, else the error."""
+        control_plane = self.control_plane
+        assert control_plane is not None
+        tid = txn.transactional_id
+        try:
+            with self.engine.begin() as conn:
+                row = conn.execute(
+                    select(transactional_ids.c.state)
+                    .where(transactional_ids.c.sink_id == sink.id, transactional_ids.c.transactional_id == tid)
+                    .with_for_update(nowait=True)
+                ).first()
+                if row is None:
+                    # not in the pool: hold the pool's growth lock, then make sure it is still absent
+                    conn.execute(select(func.pg_advisory_xact_lock(
+                        func.hashtext("coordinator.pool_growth"), func.hashtext(str(sink.id)))))
+                    row = conn.execute(
+                        select(transactional_ids.c.state)
+                        .where(transactional_ids.c.sink_id == sink.id, transactional_ids.c.transactional_id == tid)
+                        .with_for_update(nowait=True)
+                    ).first()
+                if row is not None and row.state != "FREE":
+                    return "skipped"  # leased since the database was read: its lease explains it
+                try:
+                    control_plane.abort(target, tid)
+                except ControlPlaneError as exc:
+                    repo.add_event(conn, sink.id, "lingering_abort_failed", "recovery", self.clock.now(),
+                                   transactional_id=tid, error=str(exc))
+                    return str(exc) or exc.code
+                repo.add_event(conn, sink.id, "lingering_transaction_aborted", "recovery", self.clock.now(),
+                               transactional_id=tid, producer_id=txn.producer_id, producer_epoch=txn.producer_epoch,
+                               in_pool=row is not None)
+                return None
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) == "55P03":  # lock_not_available: a lease grant holds it
+                return "skipped"
+            raise
 
     # --- reads --------------------------------------------------------------------------------
 

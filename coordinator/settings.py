@@ -40,6 +40,12 @@ class Settings(BaseSettings):
     broker_max_transaction_timeout_ms: int = Field(900_000, ge=1_000)
     restart_budget_ms: int = Field(60_000, ge=0)
     db_pool_size: int = Field(20, ge=1, le=500)
+    # The recovery loop (one leader among replicas): finishes decided commits, aborts expired
+    # leases and lingering transactions, warns before timeouts. The leader's lease lasts
+    # recovery_leader_ttl_ms (the database's clock); a replica takes over within TTL + interval.
+    recovery_enabled: bool = True
+    recovery_interval_ms: int = Field(5_000, ge=10)
+    recovery_leader_ttl_ms: int = Field(15_000, ge=50)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def kafka_options(self) -> dict[str, Any]:

@@ -108,12 +108,12 @@ class ServiceProcess:
     def start(self) -> ServiceProcess:
         """Start the process (returns at once; call `wait_ready`)."""
         assert self.proc is None, "already started"
-        env = clean_env(
-            COORDINATOR_DATABASE_URL=self.database_url,
-            COORDINATOR_ADMIN_TOKEN=self.admin_token,
-            COORDINATOR_KAFKA_CONTROL_PLANE="none",
+        env = clean_env(**{  # extra_env may override the defaults (e.g. a real Kafka control plane)
+            "COORDINATOR_DATABASE_URL": self.database_url,
+            "COORDINATOR_ADMIN_TOKEN": self.admin_token,
+            "COORDINATOR_KAFKA_CONTROL_PLANE": "none",
             **self.extra_env,
-        )
+        })
         cmd = [
             sys.executable, "-m", "uvicorn", "coordinator.app:create_app_from_env", "--factory",
             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "info",

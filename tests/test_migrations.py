@@ -9,7 +9,7 @@ from sqlalchemy import inspect
 from coordinator.store.db import downgrade, make_engine, migrate, schema_is_current
 from coordinator.store.tables import metadata
 
-TABLES = {"sinks", "generations", "checkpoints", "attempts", "transactional_ids", "leases", "events"}
+TABLES = {"sinks", "generations", "checkpoints", "attempts", "transactional_ids", "leases", "events", "recovery_leader"}
 
 
 def test_migrated_schema_matches_the_declared_tables(engine):

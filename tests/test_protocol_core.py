@@ -105,11 +105,13 @@ LEGAL = {
     CheckpointState: {
         (CheckpointState.OPEN, CheckpointState.COMMITTING),
         (CheckpointState.COMMITTING, CheckpointState.COMMITTED),
+        (CheckpointState.COMMITTING, CheckpointState.LOST),
     },
     AttemptState: {
         (AttemptState.OPEN, AttemptState.COMMITTING),
         (AttemptState.OPEN, AttemptState.ABORTED),
         (AttemptState.COMMITTING, AttemptState.COMMITTED),
+        (AttemptState.COMMITTING, AttemptState.LOST),
     },
     LeaseState: {
         (LeaseState.LEASED, LeaseState.PRECOMMITTED),
@@ -118,6 +120,8 @@ LEGAL = {
         (LeaseState.PRECOMMITTED, LeaseState.ABORTING),
         (LeaseState.COMMITTING, LeaseState.COMMITTED),
         (LeaseState.ABORTING, LeaseState.ABORTED),
+        (LeaseState.COMMITTING, LeaseState.LOST_ABORTING),
+        (LeaseState.LOST_ABORTING, LeaseState.LOST),
     },
     TransactionalIdState: {
         (TransactionalIdState.FREE, TransactionalIdState.LEASED),
@@ -180,10 +184,13 @@ def test_terminal_states():
     }
     assert terminal == {
         CheckpointState.COMMITTED,
+        CheckpointState.LOST,
         AttemptState.COMMITTED,
         AttemptState.ABORTED,
+        AttemptState.LOST,
         LeaseState.COMMITTED,
         LeaseState.ABORTED,
+        LeaseState.LOST,
     }
 
 

@@ -1,6 +1,8 @@
 """Invariants I1-I5 of DESIGN.md §3 as executable checks over a snapshot of the durable state.
 
-`check_invariants(snapshot)` checks one snapshot (I2, I3, I4 and the structural half of I1);
+`check_invariants(snapshot)` checks one snapshot (I2, I3, I4, the structural half of I1, and L1:
+lost data is never silent -- every LOST checkpoint has a `data_lost` alert, and its sink stayed
+halted until an operator acknowledged it);
 `check_committed_unchanged(before, after)` checks the history half of I1; `check_unchanged`
 is I5 (a refused call changed nothing). Each returns a list of violations, empty when all hold.
 """
@@ -11,13 +13,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from .model import Attempt, Checkpoint, Lease, Sink, TransactionalId
+from .model import Alert, Attempt, Checkpoint, Lease, Sink, TransactionalId
 from .states import (
+    ABORT_PENDING_STATES,
+    LOST_LEASE_STATES,
+    UNRESOLVED_LEASE_STATES,
     AttemptState,
     CheckpointState,
     LeaseState,
     TransactionalIdState,
-    UNRESOLVED_LEASE_STATES,
 )
 
 
@@ -28,6 +32,7 @@ class Snapshot:
     attempts: list[Attempt] = field(default_factory=list)
     leases: list[Lease] = field(default_factory=list)
     transactional_ids: list[TransactionalId] = field(default_factory=list)
+    alerts: list[Alert] = field(default_factory=list)  # data_lost / lost_data_acknowledged events
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class Violation:
 
 def check_invariants(s: Snapshot, *, settled: bool = False) -> list[Violation]:
     """`settled=True` additionally requires every loser to have ended ABORTED (no abort pending)."""
-    return [*_i1_structure(s), *_i2(s, settled), *_i3(s), *_i4(s)]
+    return [*_i1_structure(s), *_i2(s, settled), *_i3(s), *_i4(s), *_l1(s)]
 
 
 def _attempts_by_checkpoint(s: Snapshot) -> dict[int, dict[int, Attempt]]:
@@ -55,13 +60,20 @@ def _i1_structure(s: Snapshot) -> list[Violation]:
     out = []
     attempts = _attempts_by_checkpoint(s)
     for c in s.checkpoints:
-        committed = [a for a in attempts[c.id].values() if a.state in (AttemptState.COMMITTED, AttemptState.COMMITTING)]
+        committed = [
+            a for a in attempts[c.id].values()
+            if a.state in (AttemptState.COMMITTED, AttemptState.COMMITTING, AttemptState.LOST)
+        ]
         if len(committed) > 1:
             out.append(Violation("I1", f"checkpoint {c.id} has {len(committed)} decided attempts"))
         if c.state is CheckpointState.COMMITTED:
             a = attempts[c.id].get(c.committed_attempt or -1)
             if a is None or a.state is not AttemptState.COMMITTED:
                 out.append(Violation("I1", f"checkpoint {c.id} COMMITTED but attempt {c.committed_attempt} is not"))
+        if c.state is CheckpointState.LOST:
+            a = attempts[c.id].get(c.committed_attempt or -1)
+            if a is None or a.state is not AttemptState.LOST:
+                out.append(Violation("I1", f"checkpoint {c.id} LOST but its decided attempt {c.committed_attempt} is not"))
         if c.state is CheckpointState.OPEN and committed:
             out.append(Violation("I1", f"checkpoint {c.id} OPEN with a decided attempt"))
     return out
@@ -81,7 +93,16 @@ def _i2(s: Snapshot, settled: bool) -> list[Violation]:
                 out.append(Violation("I2", f"open checkpoint {c.id} has committed leases {[w.id for w in won]}"))
             continue
         decided = attempts[c.id].get(c.committed_attempt or -1)
+        lost = [lease for lease in leases if lease.state in LOST_LEASE_STATES]
+        if lost and c.state is not CheckpointState.LOST:
+            out.append(Violation("I2", f"checkpoint {c.id} is {c.state} but leases {[x.id for x in lost]} were lost"))
+        if c.state is CheckpointState.LOST and not lost:
+            out.append(Violation("I2", f"checkpoint {c.id} is LOST but no winner was refused"))
         per_partition: dict[int, int] = defaultdict(int)
+        for x in lost:  # a refused winner still counts as its partition's one decided transaction
+            if decided is None or x.attempt_id != decided.id:
+                out.append(Violation("I2", f"lease {x.id} lost outside the decided attempt of checkpoint {c.id}"))
+            per_partition[x.partition] += 1
         for w in won:
             if decided is None or w.attempt_id != decided.id:
                 out.append(Violation("I2", f"lease {w.id} committed outside the decided attempt of checkpoint {c.id}"))
@@ -91,8 +112,8 @@ def _i2(s: Snapshot, settled: bool) -> list[Violation]:
         for partition, n in per_partition.items():
             if n != 1:
                 out.append(Violation("I2", f"checkpoint {c.id} partition {partition} has {n} committed transactions"))
-        if c.state is CheckpointState.COMMITTED:
-            if any(w.state is LeaseState.COMMITTING for w in won):
+        if c.state in (CheckpointState.COMMITTED, CheckpointState.LOST):
+            if c.state is CheckpointState.COMMITTED and any(w.state is LeaseState.COMMITTING for w in won):
                 out.append(Violation("I2", f"checkpoint {c.id} COMMITTED with a winner still COMMITTING"))
             if decided is not None and decided.partitions is not None:
                 if any(p >= decided.partitions for p in per_partition):
@@ -100,8 +121,8 @@ def _i2(s: Snapshot, settled: bool) -> list[Violation]:
             bad = [
                 lease.id for lease in leases
                 if lease not in won
-                and lease.state is not LeaseState.ABORTED
-                and (settled or lease.state is not LeaseState.ABORTING)
+                and lease.state not in (LeaseState.ABORTED, LeaseState.LOST)
+                and (settled or lease.state not in ABORT_PENDING_STATES)
             ]
             if bad:
                 out.append(Violation("I2", f"checkpoint {c.id} committed but non-winner leases {bad} are not aborted"))
@@ -141,7 +162,7 @@ def _i4(s: Snapshot) -> list[Violation]:
     margin = {sink.id: sink.commit_margin_ms for sink in s.sinks}
     attempt_by_id = {a.id: a for a in s.attempts}
     for lease in s.leases:
-        if lease.state not in (LeaseState.COMMITTING, LeaseState.COMMITTED):
+        if lease.state not in (LeaseState.COMMITTING, LeaseState.COMMITTED, *LOST_LEASE_STATES):
             continue
         attempt = attempt_by_id[lease.attempt_id]
         if attempt.decided_at is None:
@@ -149,6 +170,22 @@ def _i4(s: Snapshot) -> list[Violation]:
             continue
         if attempt.decided_at + timedelta(milliseconds=margin[lease.sink_id]) > lease.deadline_at:
             out.append(Violation("I4", f"lease {lease.id} was decided within the margin of its deadline"))
+    return out
+
+
+def _l1(s: Snapshot) -> list[Violation]:
+    """Lost data is loud: a LOST checkpoint has a data_lost alert, and the sink stays halted from
+    its latest data_lost alert until an acknowledgement that came after it."""
+    out = []
+    lost_alerts = {a.checkpoint_id for a in s.alerts if a.kind == "data_lost"}
+    for c in s.checkpoints:
+        if c.state is CheckpointState.LOST and c.id not in lost_alerts:
+            out.append(Violation("L1", f"checkpoint {c.id} is LOST without a data_lost alert"))
+    for sink in s.sinks:
+        mine = sorted((a for a in s.alerts if a.sink_id == sink.id), key=lambda a: a.id)
+        if mine and mine[-1].kind == "data_lost" and sink.halted_at is None:
+            out.append(Violation("L1", f"sink {sink.name} lost data (alert {mine[-1].id}) and is not halted, "
+                                       "yet nobody acknowledged it"))
     return out
 
 
@@ -173,7 +210,7 @@ def check_unchanged(before: Snapshot, after: Snapshot) -> list[Violation]:
     if before == after:
         return []
     diffs = [
-        name for name in ("sinks", "checkpoints", "attempts", "leases", "transactional_ids")
+        name for name in ("sinks", "checkpoints", "attempts", "leases", "transactional_ids", "alerts")
         if getattr(before, name) != getattr(after, name)
     ]
     return [Violation("I5", f"a refused call changed {', '.join(diffs)}")]

@@ -40,6 +40,14 @@ class Sink(_Record):
     lineage_query_id: str | None
     writer_token_version: int
     created_at: datetime
+    # set when a decided commit was refused for good (data lost); begin checkpoint is refused
+    # until an operator acknowledges, which clears both
+    halted_reason: str | None = None
+    halted_at: datetime | None = None
+
+    @property
+    def halted(self) -> bool:
+        return self.halted_at is not None
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,8 @@ class Checkpoint(_Record):
     created_at: datetime
     decided_at: datetime | None
     committed_at: datetime | None
+    lost_reason: str | None = None  # why Kafka refused a winner's commit (state LOST)
+    lost_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,18 @@ class TransactionalId(_Record):
     transactional_id: str
     state: TransactionalIdState
     lease_id: int | None
+
+
+@dataclass(frozen=True)
+class Alert:
+    """An event of the audit trail that the invariant checker reads: `data_lost` (a decided commit
+    was refused for good) and `lost_data_acknowledged` (an operator cleared the sink's halt)."""
+
+    id: int
+    sink_id: int
+    checkpoint_id: int | None
+    kind: str
+    at: datetime
 
 
 @dataclass(frozen=True)

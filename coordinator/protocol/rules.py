@@ -14,8 +14,8 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 
 from . import errors as e
-from .model import Attempt, Lease, PartitionResult
-from .states import AttemptState, CheckpointState, LeaseState, UNDECIDED_LEASE_STATES
+from .model import Attempt, Checkpoint, Lease, PartitionResult, Sink
+from .states import UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
 
 # Kafka accepts any string as transactional.id; we keep to the characters Kafka allows in topic
 # names so ids are safe in logs, ACL patterns and shell commands.
@@ -126,7 +126,7 @@ def check_lineage(bound_query_id: str | None, query_id: str) -> None:
 
 
 class BeginAction(StrEnum):
-    SKIP = "skip"  # already committed: do not write
+    SKIP = "skip"  # already committed (or lost and acknowledged): do not write
     RESUME = "resume"  # commit decided but unfinished: finish it, then do not write
     CONTINUE = "continue"  # an open attempt of this generation exists: same answer as before
     NEW_ATTEMPT = "new_attempt"  # write under a new attempt; older ones are aborted
@@ -135,7 +135,9 @@ class BeginAction(StrEnum):
 def decide_begin(
     checkpoint_state: CheckpointState, latest: Attempt | None, generation: int
 ) -> BeginAction:
-    if checkpoint_state is CheckpointState.COMMITTED:
+    if checkpoint_state in (CheckpointState.COMMITTED, CheckpointState.LOST):
+        # LOST: reached only after an operator acknowledged the loss (the sink is halted until
+        # then); rewriting the batch would duplicate the partitions whose commits succeeded
         return BeginAction.SKIP
     if checkpoint_state is CheckpointState.COMMITTING:
         return BeginAction.RESUME
@@ -350,3 +352,60 @@ def lease_expired(lease: Lease, now: datetime) -> bool:
 def transaction_age_fraction(lease: Lease, now: datetime, transaction_timeout_ms: int) -> float:
     age = (now - lease.leased_at) / timedelta(milliseconds=1)
     return age / transaction_timeout_ms
+
+
+def winner_expired(lease: Lease, now: datetime, margin_ms: int) -> bool:
+    """A named winner that was aborted because its transaction could no longer pass the timeout
+    gate (the recovery loop aborts such leases): the commit is refused as the gate would refuse it."""
+    return lease.state in (LeaseState.ABORTING, LeaseState.ABORTED) and deadline_too_close(lease, now, margin_ms)
+
+
+# --- lost data -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RefusedCommit:
+    """A decided winner whose commit Kafka refused for good."""
+
+    lease: Lease
+    code: str
+    message: str
+
+
+def lost_reason(batch_id: int, refused: Sequence[RefusedCommit]) -> str:
+    parts = "; ".join(
+        f"partition {r.lease.partition} ({r.lease.transactional_id}, producer {r.lease.producer_id} epoch "
+        f"{r.lease.producer_epoch}, {r.lease.records} records): {r.code}"
+        for r in sorted(refused, key=lambda r: r.lease.partition)
+    )
+    return f"batch {batch_id}: Kafka refused the decided commit for good: {parts}"[:2000]
+
+
+def check_not_halted(sink: Sink) -> None:
+    """A sink that lost data refuses new batches until an operator acknowledges the loss."""
+    if sink.halted_at is None:
+        return
+    raise e.Conflict(
+        e.SINK_HALTED_LOST_DATA,
+        f"sink {sink.name!r} is halted since {sink.halted_at.isoformat()} because data was lost: "
+        f"{sink.halted_reason}. Those records were written and pre-committed but Kafka refused "
+        "their commit (typically the transaction outlived transaction.timeout.ms, or its producer "
+        "was fenced), so read_committed consumers will never see them. Find the batch in the "
+        "sink's events (kind data_lost), re-deliver its data if needed, then acknowledge with "
+        f"POST /v1/sinks/{sink.name}/lost-data/acknowledge (admin token, body {{\"reason\": ...}}); "
+        "new batches are accepted again after that.",
+        halted_reason=sink.halted_reason,
+        halted_at=sink.halted_at.isoformat(),
+        acknowledge=f"/v1/sinks/{sink.name}/lost-data/acknowledge",
+    )
+
+
+def data_lost(cp: Checkpoint) -> e.Conflict:
+    """The answer to commit and resume of a LOST checkpoint (every retry answers the same)."""
+    return e.Conflict(
+        e.DATA_LOST,
+        f"the commit of batch {cp.batch_id} was decided but Kafka refused it for good: "
+        f"{cp.lost_reason}. The sink is halted until an operator acknowledges the loss.",
+        batch_id=cp.batch_id,
+        lost_reason=cp.lost_reason,
+    )

@@ -15,6 +15,9 @@ class CheckpointState(StrEnum):
     OPEN = "OPEN"  # attempts may write; nothing decided
     COMMITTING = "COMMITTING"  # commit decided durably, winners being committed on Kafka
     COMMITTED = "COMMITTED"  # every winner committed; final (I1)
+    # Kafka refused a decided winner's commit for good (fenced, timed out, unknown producer id):
+    # that partition's data is lost. Final; the sink is halted until an operator acknowledges.
+    LOST = "LOST"
 
 
 class AttemptState(StrEnum):
@@ -22,6 +25,7 @@ class AttemptState(StrEnum):
     COMMITTING = "COMMITTING"
     COMMITTED = "COMMITTED"
     ABORTED = "ABORTED"  # superseded, abandoned, refused by the timeout gate, or aborted by hand
+    LOST = "LOST"  # decided, but Kafka refused a winner's commit for good (its checkpoint is LOST)
 
 
 class LeaseState(StrEnum):
@@ -31,6 +35,10 @@ class LeaseState(StrEnum):
     COMMITTED = "COMMITTED"
     ABORTING = "ABORTING"  # must be aborted on Kafka before its id is free again
     ABORTED = "ABORTED"
+    # a winner whose commit Kafka refused for good: its id is fenced (aborted) on Kafka before it
+    # is free again, like ABORTING, and the lease then ends LOST
+    LOST_ABORTING = "LOST_ABORTING"
+    LOST = "LOST"
 
 
 class TransactionalIdState(StrEnum):
@@ -40,24 +48,28 @@ class TransactionalIdState(StrEnum):
 
 CHECKPOINT_TRANSITIONS: dict[CheckpointState, frozenset[CheckpointState]] = {
     CheckpointState.OPEN: frozenset({CheckpointState.COMMITTING}),
-    CheckpointState.COMMITTING: frozenset({CheckpointState.COMMITTED}),
+    CheckpointState.COMMITTING: frozenset({CheckpointState.COMMITTED, CheckpointState.LOST}),
     CheckpointState.COMMITTED: frozenset(),
+    CheckpointState.LOST: frozenset(),
 }
 
 ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
     AttemptState.OPEN: frozenset({AttemptState.COMMITTING, AttemptState.ABORTED}),
-    AttemptState.COMMITTING: frozenset({AttemptState.COMMITTED}),
+    AttemptState.COMMITTING: frozenset({AttemptState.COMMITTED, AttemptState.LOST}),
     AttemptState.COMMITTED: frozenset(),
     AttemptState.ABORTED: frozenset(),
+    AttemptState.LOST: frozenset(),
 }
 
 LEASE_TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
     LeaseState.LEASED: frozenset({LeaseState.PRECOMMITTED, LeaseState.ABORTING}),
     LeaseState.PRECOMMITTED: frozenset({LeaseState.COMMITTING, LeaseState.ABORTING}),
-    LeaseState.COMMITTING: frozenset({LeaseState.COMMITTED}),
+    LeaseState.COMMITTING: frozenset({LeaseState.COMMITTED, LeaseState.LOST_ABORTING}),
     LeaseState.COMMITTED: frozenset(),
     LeaseState.ABORTING: frozenset({LeaseState.ABORTED}),
     LeaseState.ABORTED: frozenset(),
+    LeaseState.LOST_ABORTING: frozenset({LeaseState.LOST}),
+    LeaseState.LOST: frozenset(),
 }
 
 TRANSACTIONAL_ID_TRANSITIONS: dict[TransactionalIdState, frozenset[TransactionalIdState]] = {
@@ -74,8 +86,15 @@ _TABLES = {
 
 # Leases whose transactional id may still hold an unresolved transaction on the broker.
 UNRESOLVED_LEASE_STATES = frozenset(
-    {LeaseState.LEASED, LeaseState.PRECOMMITTED, LeaseState.COMMITTING, LeaseState.ABORTING}
+    {LeaseState.LEASED, LeaseState.PRECOMMITTED, LeaseState.COMMITTING, LeaseState.ABORTING, LeaseState.LOST_ABORTING}
 )
+# Leases whose transaction must still be aborted on Kafka, and the state each ends in after it.
+ABORT_PENDING_STATES: dict[LeaseState, LeaseState] = {
+    LeaseState.ABORTING: LeaseState.ABORTED,
+    LeaseState.LOST_ABORTING: LeaseState.LOST,
+}
+# Leases of a decided winner whose commit Kafka refused for good.
+LOST_LEASE_STATES = frozenset({LeaseState.LOST_ABORTING, LeaseState.LOST})
 # Leases of an attempt that has not been decided yet and that must end aborted if it is not.
 UNDECIDED_LEASE_STATES = frozenset({LeaseState.LEASED, LeaseState.PRECOMMITTED})
 

@@ -18,7 +18,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from ..protocol import errors as e
 from ..protocol.invariants import Snapshot
-from ..protocol.model import Attempt, Checkpoint, Lease, Sink, TransactionalId
+from ..protocol.model import Alert, Attempt, Checkpoint, Lease, Sink, TransactionalId
 from ..protocol.states import TransactionalIdState, require_transition
 from .tables import attempts, checkpoints, events, leases, sinks, transactional_ids
 
@@ -316,4 +316,15 @@ def snapshot(conn: Connection) -> Snapshot:
         transactional_ids=[
             as_transactional_id(r) for r in conn.execute(select(transactional_ids).order_by(transactional_ids.c.id))
         ],
+        alerts=[
+            Alert(r.id, r.sink_id, r.checkpoint_id, r.kind, r.at)
+            for r in conn.execute(
+                select(events.c.id, events.c.sink_id, events.c.checkpoint_id, events.c.kind, events.c.at)
+                .where(events.c.kind.in_(ALERT_KINDS))
+                .order_by(events.c.id)
+            )
+        ],
     )
+
+
+ALERT_KINDS = ("data_lost", "lost_data_acknowledged")

@@ -50,6 +50,9 @@ sinks = Table(
     Column("lineage_query_id", String(100), nullable=True),
     Column("writer_token_version", Integer, nullable=False, server_default=text("1")),
     Column("created_at", TS, nullable=False),
+    # lost data halts the sink (begin checkpoint refused) until an operator acknowledges
+    Column("halted_reason", String(2000), nullable=True),
+    Column("halted_at", TS, nullable=True),
 )
 
 generations = Table(
@@ -76,8 +79,10 @@ checkpoints = Table(
     Column("created_at", TS, nullable=False),
     Column("decided_at", TS, nullable=True),
     Column("committed_at", TS, nullable=True),
+    Column("lost_reason", String(2000), nullable=True),
+    Column("lost_at", TS, nullable=True),
     UniqueConstraint("sink_id", "query_id", "batch_id"),
-    _states("OPEN", "COMMITTING", "COMMITTED"),
+    _states("OPEN", "COMMITTING", "COMMITTED", "LOST"),
     # the recovery loop looks for COMMITTING checkpoints; listing by state per sink
     Index(None, "sink_id", "state", "batch_id"),
 )
@@ -97,7 +102,7 @@ attempts = Table(
     Column("finished_at", TS, nullable=True),
     Column("abort_reason", String(200), nullable=True),
     UniqueConstraint("checkpoint_id", "number"),
-    _states("OPEN", "COMMITTING", "COMMITTED", "ABORTED"),
+    _states("OPEN", "COMMITTING", "COMMITTED", "ABORTED", "LOST"),
     # "every open attempt of this sink" at begin checkpoint and generation start
     Index("ix_attempts_open", "sink_id", postgresql_where=text("state = 'OPEN'")),
 )
@@ -137,14 +142,14 @@ leases = Table(
     Column("precommitted_at", TS, nullable=True),
     Column("resolved_at", TS, nullable=True),
     UniqueConstraint("attempt_id", "partition", "task_attempt_id"),
-    _states("LEASED", "PRECOMMITTED", "COMMITTING", "COMMITTED", "ABORTING", "ABORTED"),
+    _states("LEASED", "PRECOMMITTED", "COMMITTING", "COMMITTED", "ABORTING", "ABORTED", "LOST_ABORTING", "LOST"),
     Index(None, "checkpoint_id"),
     # transactions that may be open on the broker: the recovery loop, scale-down, the dashboard
     Index(
         "ix_leases_unresolved",
         "sink_id",
         "state",
-        postgresql_where=text("state IN ('LEASED', 'PRECOMMITTED', 'COMMITTING', 'ABORTING')"),
+        postgresql_where=text("state IN ('LEASED', 'PRECOMMITTED', 'COMMITTING', 'ABORTING', 'LOST_ABORTING')"),
     ),
 )
 
@@ -160,4 +165,17 @@ events = Table(
     Column("detail", JSONB, nullable=False),
     Index(None, "sink_id", "id"),
     Index(None, "checkpoint_id", postgresql_where=text("checkpoint_id IS NOT NULL")),
+)
+
+# One row per leadership (today only "recovery"): the replica whose lease has not expired runs the
+# recovery loop. Acquired and renewed with one UPDATE that compares expires_at with the database's
+# clock, so the replicas' clocks do not matter; `token` grows at every change of holder (fencing).
+recovery_leader = Table(
+    "recovery_leader",
+    metadata,
+    Column("name", String(100), primary_key=True),
+    Column("holder", String(200), nullable=True),
+    Column("token", BigInteger, nullable=False, server_default=text("0")),
+    Column("acquired_at", TS, nullable=True),
+    Column("expires_at", TS, nullable=False),
 )

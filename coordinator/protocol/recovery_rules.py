@@ -1,0 +1,90 @@
+"""What the recovery loop (DESIGN.md §3 step 6) must do, decided from plain records.
+
+Each function takes rows the loop read (and `now` from the coordinator's clock) and returns what
+to act on; the loop does the I/O (coordinator/recovery.py, coordinator/service.py), every state
+change still a compare-and-set, so a stale decision changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Protocol, TypeVar
+
+from . import rules
+from .model import Attempt, Checkpoint, Lease
+from .states import (
+    UNDECIDED_LEASE_STATES,
+    UNRESOLVED_LEASE_STATES,
+    AttemptState,
+    CheckpointState,
+    LeaseState,
+)
+
+WARN_FRACTION = 0.8  # warn at 80 % of a pre-committed transaction's lifetime
+
+
+class _HasTransactionalId(Protocol):
+    @property
+    def transactional_id(self) -> str: ...
+
+
+T = TypeVar("T", bound=_HasTransactionalId)
+
+
+def checkpoints_to_finish(checkpoints: Iterable[Checkpoint], committing_leases: Iterable[Lease]) -> list[int]:
+    """Decided commits still to finish: COMMITTING checkpoints (even with no winner left to commit:
+    the crash may have come between the last winner and the final mark), and LOST ones whose other
+    winners are still to commit (the refused winner does not stop the others)."""
+    with_winners = {x.checkpoint_id for x in committing_leases if x.state is LeaseState.COMMITTING}
+    out = [
+        c.id for c in checkpoints
+        if c.state is CheckpointState.COMMITTING or (c.state is CheckpointState.LOST and c.id in with_winners)
+    ]
+    return sorted(set(out))
+
+
+def expired_leases(leases: Iterable[Lease], attempts: Iterable[Attempt], now: datetime, margin_ms: int) -> list[Lease]:
+    """Undecided leases of OPEN attempts whose transaction can never pass the commit gate any more
+    (closer to its broker deadline than the margin; time only moves on): abort them now rather
+    than leave the id, and the transaction blocking read_committed readers, until the next begin."""
+    open_attempts = {a.id for a in attempts if a.state is AttemptState.OPEN}
+    return [
+        x for x in leases
+        if x.attempt_id in open_attempts
+        and x.state in UNDECIDED_LEASE_STATES
+        and rules.deadline_too_close(x, now, margin_ms)
+    ]
+
+
+def near_timeout(
+    leases: Iterable[Lease], now: datetime, transaction_timeout_ms: int, fraction: float = WARN_FRACTION
+) -> list[Lease]:
+    """Pre-committed (or decided but not yet committed) transactions past `fraction` of their
+    lifetime: the broker aborts them at the timeout, and a decided one would then be lost."""
+    return [
+        x for x in leases
+        if x.state in (LeaseState.PRECOMMITTED, LeaseState.COMMITTING)
+        and rules.transaction_age_fraction(x, now, transaction_timeout_ms) >= fraction
+    ]
+
+
+# Kafka's states of a transaction the broker is already completing: it ends without help.
+COMPLETING_STATES = frozenset({"PrepareCommit", "PrepareAbort", "PrepareEpochFence"})
+
+
+def lingering(open_transactions: Sequence[T], unresolved: Iterable[Lease], *, include_completing: bool = False) -> list[T]:
+    """Open transactions on the broker that no unresolved lease explains: nothing in the database
+    may commit them, and each blocks read_committed readers of its partitions. (An id held by an
+    unresolved lease is explained: that lease's own commit or abort ends it.) Those the broker is
+    already completing are left out unless `include_completing`."""
+    explained = {x.transactional_id for x in unresolved if x.state in UNRESOLVED_LEASE_STATES}
+    seen: set[str] = set()
+    out = []
+    for t in open_transactions:
+        if not include_completing and getattr(t, "state", None) in COMPLETING_STATES:
+            continue
+        if t.transactional_id not in explained and t.transactional_id not in seen:
+            seen.add(t.transactional_id)
+            out.append(t)
+    return out

@@ -1,0 +1,300 @@
+"""The recovery loop (DESIGN.md §3 step 6): exactly one leader among the service's replicas
+finishes decided commits even if Spark never comes back, aborts what must be aborted, sweeps the
+broker for lingering transactions and warns before pre-committed transactions time out.
+
+Leadership is a lease row with a fencing token (`recovery_leader`): one UPDATE takes the row when
+its lease has expired, or renews it for its holder, comparing with the *database's* clock
+(`now()`), so the replicas' clocks do not matter. The token grows whenever the holder changes;
+the leader renews before every sink and stops its iteration as soon as it no longer holds the
+lease. Exclusivity is about not doing the work N times (and not raising every alert N times):
+correctness does not depend on it, because every change the loop makes is a compare-and-set,
+safe against the API doing the same work concurrently (a driver's resume, another replica).
+
+The decisions (what to finish, what has expired, what lingers, what to warn about) are pure
+functions in coordinator/protocol/recovery_rules.py; the I/O is in Coordinator's recovery methods.
+Each step of each sink backs off on its own (exponential, capped) when it fails, so a broker
+that cannot list transactions does not stop decided commits from being finished. The loop runs
+in a daemon thread, never on the API's event loop; `run_once()` is one iteration, for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine, text
+
+from . import metrics
+from .service import Coordinator
+
+log = logging.getLogger(__name__)
+
+LEADERSHIP = "recovery"
+STEPS = ("finish", "pending_aborts", "expired_leases", "near_timeout", "sweep")
+
+_ACQUIRE = text(
+    """
+    UPDATE recovery_leader
+       SET token = CASE WHEN holder IS NOT DISTINCT FROM :me THEN token ELSE token + 1 END,
+           acquired_at = CASE WHEN holder IS NOT DISTINCT FROM :me AND expires_at >= now()
+                              THEN acquired_at ELSE now() END,
+           holder = :me,
+           expires_at = now() + :ttl_ms * interval '1 millisecond'
+     WHERE name = :name AND (expires_at < now() OR holder = :me)
+    RETURNING token
+    """
+)
+_SEED = text(
+    "INSERT INTO recovery_leader (name, holder, token, acquired_at, expires_at) "
+    "VALUES (:name, :me, 1, now(), now() + :ttl_ms * interval '1 millisecond') "
+    "ON CONFLICT (name) DO NOTHING RETURNING token"
+)
+_RELEASE = text(
+    "UPDATE recovery_leader SET expires_at = now() - interval '1 millisecond' WHERE name = :name AND holder = :me"
+)
+
+
+def default_holder() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class LeaderLease:
+    """The lease row of one leadership. `acquire()` takes or renews it and returns the fencing
+    token, or None while another holder's lease is unexpired."""
+
+    def __init__(self, engine: Engine, holder: str, ttl_ms: int, name: str = LEADERSHIP) -> None:
+        self.engine = engine
+        self.holder = holder
+        self.ttl_ms = ttl_ms
+        self.name = name
+
+    def acquire(self) -> int | None:
+        params = {"me": self.holder, "ttl_ms": self.ttl_ms, "name": self.name}
+        with self.engine.begin() as conn:
+            token = conn.execute(_ACQUIRE, params).scalar()
+            if token is None:  # the row may be missing (never migrated with a seed): create it
+                token = conn.execute(_SEED, params).scalar()
+        return token
+
+    def release(self) -> None:
+        """Give the lease up at once (graceful shutdown), so another replica need not wait the TTL."""
+        with self.engine.begin() as conn:
+            conn.execute(_RELEASE, {"me": self.holder, "name": self.name})
+
+    def current(self) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                text("SELECT holder, token, acquired_at, expires_at, expires_at > now() AS live "
+                     "FROM recovery_leader WHERE name = :name"),
+                {"name": self.name},
+            ).first()
+        return dict(row._mapping) if row is not None else None
+
+
+@dataclass
+class SinkReport:
+    name: str
+    committed: list[int] = field(default_factory=list)  # batch ids whose decided commit was finished
+    lost: list[int] = field(default_factory=list)  # batch ids found or made LOST
+    commit_pending: dict[int, str] = field(default_factory=dict)
+    expired: list[str] = field(default_factory=list)  # ids of expired leases marked for abort
+    aborted: list[str] = field(default_factory=list)  # ids aborted on Kafka (pending + expired)
+    abort_pending: list[str] = field(default_factory=list)
+    near_timeout: list[str] = field(default_factory=list)
+    warned: list[str] = field(default_factory=list)
+    lingering_found: list[str] = field(default_factory=list)
+    lingering_aborted: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # step -> error
+    skipped: list[str] = field(default_factory=list)  # steps skipped (backing off, or no control plane)
+
+
+@dataclass
+class IterationReport:
+    leader: bool
+    token: int | None = None
+    sinks: dict[str, SinkReport] = field(default_factory=dict)
+    lost_leadership: bool = False
+
+    @property
+    def errors(self) -> dict[str, dict[str, str]]:
+        return {n: r.errors for n, r in self.sinks.items() if r.errors}
+
+
+@dataclass
+class _Backoff:
+    failures: int = 0
+    until: float = 0.0
+
+
+class RecoveryLoop:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        interval_ms: int = 5_000,
+        leader_ttl_ms: int = 15_000,
+        holder: str | None = None,
+        max_backoff_ms: int = 60_000,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if leader_ttl_ms <= interval_ms:
+            raise ValueError(
+                f"the recovery leader TTL ({leader_ttl_ms} ms) must exceed the loop interval ({interval_ms} ms), "
+                "or the leader's lease lapses between its renewals"
+            )
+        self.coordinator = coordinator
+        self.interval_ms = interval_ms
+        self.max_backoff_ms = max(max_backoff_ms, interval_ms)
+        self.lease = LeaderLease(coordinator.engine, holder or default_holder(), leader_ttl_ms)
+        self._monotonic = monotonic
+        self._backoff: dict[tuple[str, str], _Backoff] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._token: int | None = None
+        self.iterations = 0
+
+    @property
+    def holder(self) -> str:
+        return self.lease.holder
+
+    @property
+    def is_leader(self) -> bool:
+        return self._token is not None
+
+    # --- one iteration --------------------------------------------------------------------------
+
+    def run_once(self, *, honor_backoff: bool = False) -> IterationReport:
+        """Take or renew the leadership; as leader, do every step for every sink. A step that
+        fails is recorded in the report (and, with honor_backoff, skipped until its backoff ends)."""
+        token = self._acquire()
+        if token is None:
+            return IterationReport(leader=False)
+        report = IterationReport(leader=True, token=token)
+        metrics.RECOVERY_ITERATIONS.inc()
+        self.iterations += 1
+        for sink in self.coordinator.list_sinks():
+            if self._acquire() != token:  # renew before each sink; stop at once if it was lost
+                report.lost_leadership = True
+                break
+            metrics.SINK_HALTED.labels(sink.name).set(1 if sink.halted else 0)
+            report.sinks[sink.name] = self._run_sink(sink.name, honor_backoff)
+        return report
+
+    def _acquire(self) -> int | None:
+        token = self.lease.acquire()
+        if token != self._token:
+            if token is None:
+                log.warning("recovery loop: %s no longer leads (token %s)", self.holder, self._token)
+            else:
+                log.info("recovery loop: %s leads with fencing token %s", self.holder, token)
+        self._token = token
+        metrics.RECOVERY_LEADER.set(1 if token is not None else 0)
+        return token
+
+    def _run_sink(self, name: str, honor_backoff: bool) -> SinkReport:
+        r = SinkReport(name)
+        c = self.coordinator
+        has_kafka = c.control_plane is not None
+
+        def finish() -> None:
+            out = c.finish_decided_commits(name)
+            r.committed, r.lost, r.commit_pending = out.committed, out.lost, out.failed
+            if out.committed:
+                metrics.RECOVERED_COMMITS.labels(name).inc(len(out.committed))
+            if out.failed:
+                raise RuntimeError(f"decided commits still pending: {out.failed}")
+
+        def pending_aborts() -> None:
+            out = c.run_pending_aborts(name)
+            r.aborted += out.aborted
+            r.abort_pending += out.pending
+
+        def expired_leases() -> None:
+            expired, out = c.abort_expired_leases(name)
+            r.expired = [x.transactional_id for x in expired]
+            r.aborted += out.aborted
+            r.abort_pending += out.pending
+
+        def near_timeout() -> None:
+            near, new = c.warn_near_timeout(name)
+            r.near_timeout = [x.transactional_id for x in near]
+            r.warned = [x.transactional_id for x in new]
+
+        def sweep() -> None:
+            out = c.sweep_lingering(name)
+            r.lingering_found = [t.transactional_id for t in out.found]
+            r.lingering_aborted = out.aborted
+            if out.failed:
+                raise RuntimeError(f"lingering transactions not aborted: {out.failed}")
+
+        steps = {"finish": finish, "pending_aborts": pending_aborts, "expired_leases": expired_leases,
+                 "near_timeout": near_timeout, "sweep": sweep}
+        for step in STEPS:
+            if step == "sweep" and not has_kafka:
+                r.skipped.append(step)
+                continue
+            key = (name, step)
+            backoff = self._backoff.get(key)
+            if honor_backoff and backoff is not None and self._monotonic() < backoff.until:
+                r.skipped.append(step)
+                continue
+            try:
+                steps[step]()
+            except Exception as exc:  # noqa: BLE001 - one failing step must not stop the others
+                r.errors[step] = f"{type(exc).__name__}: {exc}"
+                metrics.RECOVERY_ERRORS.labels(step).inc()
+                b = self._backoff.setdefault(key, _Backoff())
+                b.failures += 1
+                delay_ms = min(self.interval_ms * 2 ** b.failures, self.max_backoff_ms)
+                b.until = self._monotonic() + delay_ms * random.uniform(0.8, 1.0) / 1000
+                log.warning("recovery loop: step %s of sink %s failed (%d in a row; next try in %.1f s): %s",
+                            step, name, b.failures, delay_ms / 1000, r.errors[step])
+            else:
+                self._backoff.pop(key, None)
+        if r.lost:
+            log.error("recovery loop: sink %s lost data in batches %s; it is halted until acknowledged", name, r.lost)
+        return r
+
+    # --- the thread -----------------------------------------------------------------------------
+
+    def start(self) -> RecoveryLoop:
+        assert self._thread is None, "already started"
+        self._thread = threading.Thread(target=self._run, name="recovery-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0, *, release: bool = True) -> None:
+        """Stop the thread (it finishes its current step) and give the leadership up."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if release and self._token is not None:
+            try:
+                self.lease.release()
+            except Exception:
+                log.warning("recovery loop: could not release the leadership", exc_info=True)
+            self._token = None
+            metrics.RECOVERY_LEADER.set(0)
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                self.run_once(honor_backoff=True)
+                failures = 0
+                delay_ms = self.interval_ms
+            except Exception:  # the database is unreachable, or a bug: back off, never die
+                failures += 1
+                metrics.RECOVERY_ERRORS.labels("iteration").inc()
+                delay_ms = min(self.interval_ms * 2 ** failures, self.max_backoff_ms)
+                log.exception("recovery loop iteration failed (%d in a row; next try in %.1f s)",
+                              failures, delay_ms / 1000)
+            self._stop.wait(delay_ms * random.uniform(0.9, 1.0) / 1000)

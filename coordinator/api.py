@@ -11,8 +11,9 @@ from fastapi import Depends, FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from . import __version__
+from . import __version__, metrics
 from .auth import Principal, tokens_equal, writer_token
+from .broker import PartitionWatch, check_sink_broker, observe_partitions
 from .protocol import errors as e
 from .protocol.model import PartitionResult, Sink
 from .protocol.rules import PrecommitRequest
@@ -23,6 +24,7 @@ from .schemas import (
     AttemptOut,
     BeginCheckpointRequest,
     BeginOut,
+    BrokerCheckOut,
     CheckpointDetailOut,
     CheckpointOut,
     CommitOut,
@@ -35,6 +37,9 @@ from .schemas import (
     LeaseOut,
     LeaseRequest,
     LineageReset,
+    LostDataAcknowledged,
+    LostDataAcknowledgement,
+    PartitionsOut,
     PrecommitBody,
     SinkOut,
     SinkRegistered,
@@ -158,6 +163,12 @@ def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: byte
         plane = coordinator.control_plane.name if coordinator.control_plane else "unconfigured"
         return JSONResponse({"status": "ready", "kafka_control_plane": plane})
 
+    @app.get("/metrics", tags=["health"], response_class=Response)
+    def prometheus_metrics() -> Response:
+        """Prometheus metrics of this process (coordinator/metrics.py)."""
+        body, content_type = metrics.render()
+        return Response(content=body, media_type=content_type)
+
     # --- sinks -------------------------------------------------------------------------------
 
     def registered(sink: Sink) -> SinkRegistered:
@@ -197,6 +208,14 @@ def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: byte
     def reset_lineage(name: SinkName, body: LineageReset, who: Admin) -> SinkOut:
         """Let a query started from a fresh checkpoint location take over this sink."""
         return SinkOut.of(coordinator.reset_lineage(name, who.actor, body.reason))
+
+    @app.post("/v1/sinks/{name}/lost-data/acknowledge", tags=["operator"], responses=ERRORS)
+    def acknowledge_lost_data(name: SinkName, body: LostDataAcknowledgement, who: Admin) -> LostDataAcknowledged:
+        """Clear the halt a lost commit put on the sink (its `data_lost` events say which batch and
+        partitions). Recorded with who and when in the event trail; the LOST batches are then
+        skipped when Spark replays them. Acknowledging a sink that is not halted changes nothing."""
+        sink, acknowledged, lost = coordinator.acknowledge_lost_data(name, who.actor, body.reason, body.operator)
+        return LostDataAcknowledged(sink=SinkOut.of(sink), acknowledged=acknowledged, lost_batches=lost)
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -279,6 +298,26 @@ def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: byte
     ) -> list[EventOut]:
         """The audit trail, oldest first; page with after_id."""
         return [EventOut(**ev) for ev in coordinator.list_events(name, after_id=after_id, batch_id=batch_id, limit=limit)]
+
+    # --- broker observations (coordinator/broker.py) ------------------------------------------
+
+    partition_watch = PartitionWatch()
+
+    @app.post("/v1/sinks/{name}/broker-check", tags=["operator"], responses=ERRORS)
+    def broker_check(name: SinkName, _: Admin) -> list[BrokerCheckOut]:
+        """Check the sink's Kafka cluster now: bootstrap and advertised listeners reachable,
+        transactions supported, transaction.max.timeout.ms against the sink's timeout, no unknown
+        producer under the prefix, authorization. Each verdict in plain words with its fix."""
+        return [BrokerCheckOut(name=c.name, ok=c.ok, verdict=c.verdict, fix=c.fix) for c in check_sink_broker(coordinator, name)]
+
+    @app.get("/v1/sinks/{name}/partitions", tags=["operator"], responses=ERRORS)
+    def partitions(
+        name: SinkName, _: Admin, min_stall_s: Annotated[float, Query(ge=0, le=86_400)] = 60.0
+    ) -> PartitionsOut:
+        """High watermark and last stable offset of every partition of the sink's topics; `stuck`
+        when the stable offset stayed below the high watermark for at least min_stall_s since an
+        earlier call (to this process), with the transaction holding it."""
+        return PartitionsOut.of(observe_partitions(coordinator, name, partition_watch, min_stall_s=min_stall_s))
 
     return app
 

@@ -57,6 +57,29 @@ Retried commits are idempotent
     constructor setting and not negotiated per request. librdkafka (confluent-kafka 2.x) does not
     implement KIP-890 part 2, so the producers' own transactions are TV1-style; TV1 is the default.
 
+Observations (the lingering-transaction sweep, stuck consumers, broker checks)
+    list_open_transactions: ListTransactions (state filters Ongoing, PrepareCommit, PrepareAbort,
+    PrepareEpochFence; from v2 also a \\Q<prefix>\\E.* pattern) sent to EVERY broker, since each is
+    the transaction coordinator of a slice of the ids; the prefix is filtered client-side; then
+    DescribeTransactions on the broker that listed them for producer id, epoch, state, start time,
+    timeout and partitions (ids that completed in between are dropped).
+    partition_stability: Metadata for partitions and leaders; per leader ListOffsets(LATEST) at
+    READ_UNCOMMITTED (high watermark) and READ_COMMITTED (last stable offset); for partitions
+    whose LSO is below the HW, DescribeProducers on the leader names the producer whose open
+    transaction started first (lowest currentTxnStartOffset: it holds the LSO). Best effort: a
+    broker without DescribeProducers still gives offsets.
+    check_broker: a fresh connection; bootstrap reachable; every broker's advertised address
+    reachable; ApiVersions offers InitProducerId, AddPartitionsToTxn, EndTxn; DescribeConfigs of
+    the broker's transaction.max.timeout.ms (Kafka default 900000) not below the sink's timeout;
+    ListTransactions (all states) shows no id under the prefix the coordinator does not know.
+    Plain-word verdicts with their fix; authorization errors (CLUSTER_, TRANSACTIONAL_ID_,
+    TOPIC_AUTHORIZATION_FAILED) are named as such with the ACL the principal lacks.
+    A broker without an API (not in its ApiVersions) is refused up front with
+    `UnsupportedByBroker` ("broker does not support ListTransactions (KIP-664, Kafka >= 3.0):
+    lingering-transaction sweep unavailable"), never retried. Tansu (the test broker) lacks
+    ListTransactions, DescribeTransactions and DescribeProducers, reports no broker configs, and
+    answers ListOffsets inexactly: see tests/test_broker_wire.py.
+
 Client library: kafka-python 3.0.12 (pinned). Requests go through its `KafkaConnectionManager`
 on a `NetworkSelector` IO thread, the same layer its `KafkaAdminClient` uses; they are modules of
 kafka-python's networking package rather than its documented top-level API, so an upgrade of
@@ -74,16 +97,43 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import kafka.errors as Errors
 from kafka.net.manager import KafkaConnectionManager
 from kafka.net.selector import NetworkSelector
-from kafka.protocol.metadata import CoordinatorType, FindCoordinatorRequest
-from kafka.protocol.producer import EndTxnRequest, InitProducerIdRequest
+from kafka.protocol.admin.configs import DescribeConfigsRequest
+from kafka.protocol.admin.transactions import (
+    DescribeProducersRequest,
+    DescribeTransactionsRequest,
+    ListTransactionsRequest,
+)
+from kafka.protocol.consumer.offsets import (
+    IsolationLevel,
+    ListOffsetsRequest,
+    OffsetSpec,
+)
+from kafka.protocol.metadata import (
+    CoordinatorType,
+    FindCoordinatorRequest,
+    MetadataRequest,
+)
+from kafka.protocol.producer import (
+    AddPartitionsToTxnRequest,
+    EndTxnRequest,
+    InitProducerIdRequest,
+)
 
-from .kafka_control import ControlPlaneError, KafkaTarget, PreparedTransaction
+from .kafka_control import (
+    BrokerCheck,
+    ControlPlaneError,
+    KafkaTarget,
+    OpenTransaction,
+    PartitionStability,
+    PreparedTransaction,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -225,6 +275,104 @@ class _BrokerClient:
         )
         return await self._send(request, node, timeout_ms)
 
+    # --- observations -----------------------------------------------------------------------
+
+    @property
+    def api_versions(self) -> dict[int, tuple[int, int]] | None:
+        versions = self._manager.broker_version_data
+        return None if versions is None else dict(versions.api_versions)
+
+    def api_version(self, request_cls: Any) -> int | None:
+        """The version both sides speak, None if the broker does not offer the API."""
+        versions = self._manager.broker_version_data
+        if versions is None:
+            return None
+        try:
+            return int(versions.api_version(request_cls))
+        except Errors.IncompatibleBrokerVersion:
+            return None
+
+    def require(self, request_cls: Any) -> int:
+        version = self.api_version(request_cls)
+        if version is None:
+            raise UnsupportedByBroker(request_cls.API_KEY)
+        return version
+
+    def brokers(self) -> list[Any]:
+        return sorted(self._manager.cluster.brokers(), key=lambda b: b.node_id)
+
+    async def connect(self, node_id: int, timeout_ms: int) -> None:
+        """Open (or reuse) the connection to a broker at its advertised address."""
+        conn = self._manager.get_connection(node_id, timeout_ms=timeout_ms)
+        await self._manager.wait_for(conn.init_future, timeout_ms + 500)
+
+    async def request(self, request: Any, node_id: int | None, timeout_ms: int) -> Any:
+        return await self._send(request, node_id, timeout_ms)
+
+    async def list_transactions(self, node_id: int, states: Iterable[str], prefix: str, timeout_ms: int) -> list[tuple[str, int, str]]:
+        version = self.require(ListTransactionsRequest)
+        response = await self._send(list_transactions_request(states, prefix, version), node_id, timeout_ms)
+        return parse_list_transactions(response, prefix)
+
+    async def open_transactions(self, prefix: str, timeout_ms: int) -> list[OpenTransaction]:
+        """ListTransactions (not completed states) on every broker -- each is the transaction
+        coordinator of some ids -- then DescribeTransactions for the ids under prefix on the
+        broker that listed them."""
+        self.require(ListTransactionsRequest)
+        self.require(DescribeTransactionsRequest)
+        found: dict[str, OpenTransaction] = {}
+        for broker in self.brokers():
+            listed = await self.list_transactions(broker.node_id, OPEN_STATES, prefix, timeout_ms)
+            if not listed:
+                continue
+            request = DescribeTransactionsRequest(transactional_ids=[tid for tid, _, _ in listed])
+            for txn in parse_describe_transactions(await self._send(request, broker.node_id, timeout_ms)):
+                found[txn.transactional_id] = txn
+        return [found[k] for k in sorted(found)]
+
+    async def stability(self, topics: list[str], timeout_ms: int) -> list[PartitionStability]:
+        """Metadata -> leaders; per leader ListOffsets(LATEST) at READ_UNCOMMITTED (high watermark)
+        and READ_COMMITTED (last stable offset); DescribeProducers on the leaders of partitions
+        whose LSO is below the HW, to name the producer holding it (best effort)."""
+        request = MetadataRequest(topics=[MetadataRequest.MetadataRequestTopic(name=t) for t in topics],
+                                  allow_auto_topic_creation=False)
+        layout = parse_metadata(await self._send(request, None, timeout_ms), topics)
+        by_leader: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        for topic, partitions in layout.items():
+            for partition, leader in partitions:
+                by_leader[leader].append((topic, partition))
+        high: dict[tuple[str, int], int] = {}
+        stable: dict[tuple[str, int], int] = {}
+        for leader, tps in sorted(by_leader.items()):
+            for isolation, into in ((IsolationLevel.READ_UNCOMMITTED, high), (IsolationLevel.READ_COMMITTED, stable)):
+                into.update(parse_list_offsets(await self._send(list_offsets_request(tps, isolation), leader, timeout_ms)))
+        blocked = {tp for tp in high if stable.get(tp, high[tp]) < high[tp]}
+        blocking: dict[tuple[str, int], tuple[int, int, int]] = {}
+        if blocked and self.api_version(DescribeProducersRequest) is not None:
+            for leader, tps in sorted(by_leader.items()):
+                wanted = [tp for tp in tps if tp in blocked]
+                if not wanted:
+                    continue
+                try:
+                    named, refused = parse_describe_producers(
+                        await self._send(describe_producers_request(wanted), leader, timeout_ms))
+                except (Errors.KafkaError, OSError) as exc:
+                    log.warning("DescribeProducers on broker %s failed: %s", leader, exc)
+                    continue
+                blocking.update(named)
+                if refused:
+                    log.warning("DescribeProducers on broker %s refused %s", leader, refused)
+        result = []
+        for tp in sorted(high):
+            pid, epoch, start = blocking.get(tp, (None, None, None))
+            result.append(PartitionStability(tp[0], tp[1], high[tp], stable[tp], pid, epoch, start))
+        return result
+
+    async def transaction_max_timeout(self, node_id: int, timeout_ms: int) -> int | None:
+        self.require(DescribeConfigsRequest)
+        response = await self._send(describe_broker_configs_request(node_id), node_id, timeout_ms)
+        return parse_transaction_max_timeout(response)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -243,6 +391,268 @@ def _check(error_code: int, what: str) -> None:
     if _is_retriable_code(error_code):
         raise _Retry(name, f"{what}: broker answered {name.upper()} ({error_code})")
     raise ControlPlaneError(f"{what}: broker answered {name.upper()} ({error_code})", retriable=False, code=name)
+
+
+# --- observations: KIP-664 transactions, offsets, configs (pure parsing, unit tested) ----------
+
+# Kafka's TransactionState names (ListTransactions / DescribeTransactions wire values) of a
+# transaction that is not completed: it may still hold the last stable offset of its partitions
+OPEN_STATES = ("Ongoing", "PrepareCommit", "PrepareAbort", "PrepareEpochFence")
+TRANSACTION_MAX_TIMEOUT = "transaction.max.timeout.ms"
+KAFKA_DEFAULT_TRANSACTION_MAX_TIMEOUT_MS = 900_000
+_BROKER_RESOURCE = 4  # DescribeConfigs resource type BROKER
+_TRANSACTION_APIS = (InitProducerIdRequest, AddPartitionsToTxnRequest, EndTxnRequest)
+# what each observation API is, and what is lost without it
+_API_INFO: dict[int, tuple[str, str, str]] = {
+    ListTransactionsRequest.API_KEY: ("ListTransactions", "KIP-664, Kafka >= 3.0", "lingering-transaction sweep unavailable"),
+    DescribeTransactionsRequest.API_KEY: ("DescribeTransactions", "KIP-664, Kafka >= 3.0", "lingering-transaction sweep unavailable"),
+    DescribeProducersRequest.API_KEY: ("DescribeProducers", "KIP-664, Kafka >= 3.0",
+                                       "the producer holding a partition's last stable offset cannot be named"),
+    DescribeConfigsRequest.API_KEY: ("DescribeConfigs", "KIP-133, Kafka >= 0.11",
+                                     f"the broker's {TRANSACTION_MAX_TIMEOUT} cannot be read"),
+}
+# the ACL each API needs, for authorization verdicts in plain words
+_ACL_NEEDED: dict[int, str] = {
+    ListTransactionsRequest.API_KEY: "Describe on the transactional ids under the prefix",
+    DescribeTransactionsRequest.API_KEY: "Describe on the transactional ids under the prefix",
+    DescribeProducersRequest.API_KEY: "Read on the sink's topics",
+    DescribeConfigsRequest.API_KEY: "DescribeConfigs on the cluster",
+    MetadataRequest.API_KEY: "Describe on the sink's topics",
+    ListOffsetsRequest.API_KEY: "Describe on the sink's topics",
+}
+
+
+class UnsupportedByBroker(ControlPlaneError):
+    """The broker does not implement an API an observation needs (it is not in its ApiVersions)."""
+
+    def __init__(self, api_key: int) -> None:
+        name, kip, lost = _API_INFO.get(api_key, (f"api {api_key}", "", "this observation is unavailable"))
+        since = f" ({kip})" if kip else ""
+        super().__init__(f"broker does not support {name}{since}: {lost}", retriable=False, code="unsupported_by_broker")
+        self.api_key = api_key
+        self.api_name = name
+
+
+def is_authorization_error(errno_or_code: int | str) -> bool:
+    if isinstance(errno_or_code, str):
+        return errno_or_code.endswith("_authorization_failed")
+    return issubclass(Errors.for_code(errno_or_code), Errors.AuthorizationError)
+
+
+def authorization_message(api_key: int, code: str, prefix: str | None = None) -> str:
+    name = _API_INFO.get(api_key, (None,))[0] or {MetadataRequest.API_KEY: "Metadata",
+                                                  ListOffsetsRequest.API_KEY: "ListOffsets"}.get(api_key, f"api {api_key}")
+    needed = _ACL_NEEDED.get(api_key, "the ACL this request needs")
+    if code == "cluster_authorization_failed":
+        needed = f"{'DescribeConfigs' if api_key == DescribeConfigsRequest.API_KEY else 'Describe'} on the cluster"
+    elif code == "transactional_id_authorization_failed":
+        needed = "Describe on the transactional ids under the prefix"
+    elif code == "topic_authorization_failed":
+        needed = "Describe/Read on the sink's topics"
+    if prefix is not None:
+        needed = needed.replace("the prefix", f"prefix {prefix!r}")
+    return f"not authorized: the broker refused {name} with {code.upper()}: the coordinator's principal lacks {needed}"
+
+
+def list_transactions_request(state_filters: Iterable[str], prefix: str | None, version: int) -> ListTransactionsRequest:
+    """ListTransactions; from v2 (Kafka 4.1, KIP-1152) the broker filters by a regex on the id too
+    (Java's \\Q...\\E quoting); the prefix is filtered client-side anyway."""
+    kwargs: dict[str, Any] = {"state_filters": list(state_filters), "producer_id_filters": []}
+    if prefix and version >= 2 and "\\E" not in prefix:
+        kwargs["transactional_id_pattern"] = "\\Q" + prefix + "\\E.*"
+        kwargs["min_version"] = 2
+    return ListTransactionsRequest(**kwargs)
+
+
+def parse_list_transactions(response: Any, prefix: str) -> list[tuple[str, int, str]]:
+    """(transactional id, producer id, state) of every listed transaction under prefix."""
+    _check(response.error_code, "ListTransactions")
+    return sorted(
+        (t.transactional_id, t.producer_id, t.transaction_state)
+        for t in response.transaction_states
+        if t.transactional_id.startswith(prefix)
+    )
+
+
+def parse_describe_transactions(response: Any) -> list[OpenTransaction]:
+    """The described transactions that are not completed. An id the coordinator no longer knows
+    (TRANSACTIONAL_ID_NOT_FOUND: it completed and expired since it was listed) is skipped."""
+    found = []
+    for t in response.transaction_states:
+        if t.error_code == Errors.TransactionalIdNotFoundError.errno:
+            continue
+        _check(t.error_code, f"DescribeTransactions({t.transactional_id!r})")
+        if t.transaction_state not in OPEN_STATES:
+            continue
+        found.append(OpenTransaction(
+            transactional_id=t.transactional_id,
+            producer_id=t.producer_id,
+            producer_epoch=t.producer_epoch,
+            state=t.transaction_state,
+            started_at_ms=t.transaction_start_time_ms if t.transaction_start_time_ms >= 0 else None,
+            timeout_ms=t.transaction_timeout_ms if t.transaction_timeout_ms >= 0 else None,
+            partitions=tuple(sorted((topic.topic, p) for topic in t.topics for p in topic.partitions)),
+        ))
+    return found
+
+
+def parse_metadata(response: Any, topics: Iterable[str]) -> dict[str, list[tuple[int, int]]]:
+    """topic -> [(partition, leader node id)], for the asked topics."""
+    wanted = set(topics)
+    layout: dict[str, list[tuple[int, int]]] = {}
+    for t in response.topics:
+        if t.name not in wanted:
+            continue
+        if t.error_code == Errors.UnknownTopicOrPartitionError.errno:
+            raise ControlPlaneError(f"topic {t.name!r} does not exist on the broker", retriable=True,
+                                    code="unknown_topic_or_partition")
+        _check(t.error_code, f"Metadata({t.name!r})")
+        partitions = []
+        for p in t.partitions:
+            if p.leader_id < 0:
+                raise _Retry("leader_not_available", f"Metadata: {t.name}-{p.partition_index} has no leader")
+            partitions.append((p.partition_index, p.leader_id))
+        layout[t.name] = sorted(partitions)
+    missing = wanted - set(layout)
+    if missing:
+        raise _Retry("unknown_topic_or_partition", f"Metadata answered no row for {sorted(missing)}")
+    return layout
+
+
+def list_offsets_request(partitions: Iterable[tuple[str, int]], isolation: IsolationLevel) -> ListOffsetsRequest:
+    by_topic: dict[str, list[int]] = defaultdict(list)
+    for topic, partition in partitions:
+        by_topic[topic].append(partition)
+    topic_cls = ListOffsetsRequest.ListOffsetsTopic
+    part_cls = topic_cls.ListOffsetsPartition
+    return ListOffsetsRequest(
+        replica_id=-1,
+        isolation_level=int(isolation),
+        topics=[topic_cls(name=t, partitions=[part_cls(partition_index=p, timestamp=int(OffsetSpec.LATEST)) for p in ps])
+                for t, ps in sorted(by_topic.items())],
+        min_version=2,  # isolation_level exists from v2
+    )
+
+
+def parse_list_offsets(response: Any) -> dict[tuple[str, int], int]:
+    """(topic, partition) -> offset. LATEST at READ_UNCOMMITTED is the high watermark, at
+    READ_COMMITTED the last stable offset."""
+    offsets = {}
+    for topic in response.topics:
+        for p in topic.partitions:
+            _check(p.error_code, f"ListOffsets({topic.name}-{p.partition_index})")
+            offsets[(topic.name, p.partition_index)] = p.offset
+    return offsets
+
+
+def describe_producers_request(partitions: Iterable[tuple[str, int]]) -> DescribeProducersRequest:
+    by_topic: dict[str, list[int]] = defaultdict(list)
+    for topic, partition in partitions:
+        by_topic[topic].append(partition)
+    topic_cls = DescribeProducersRequest.TopicRequest
+    return DescribeProducersRequest(topics=[topic_cls(name=t, partition_indexes=sorted(ps)) for t, ps in sorted(by_topic.items())])
+
+
+def parse_describe_producers(response: Any) -> tuple[dict[tuple[str, int], tuple[int, int, int]], dict[tuple[str, int], str]]:
+    """(blocking, errors): per partition the producer whose open transaction started first
+    (lowest currentTxnStartOffset: it is what holds the last stable offset) as (producer id,
+    epoch, start offset); partitions the broker refused, with the error name."""
+    blocking: dict[tuple[str, int], tuple[int, int, int]] = {}
+    errors: dict[tuple[str, int], str] = {}
+    for topic in response.topics:
+        for p in topic.partitions:
+            key = (topic.name, p.partition_index)
+            if p.error_code != _NONE:
+                errors[key] = _error_name(p.error_code)
+                continue
+            open_ones = [a for a in p.active_producers if a.current_txn_start_offset >= 0]
+            if open_ones:
+                first = min(open_ones, key=lambda a: (a.current_txn_start_offset, a.producer_id))
+                blocking[key] = (first.producer_id, first.producer_epoch, first.current_txn_start_offset)
+    return blocking, errors
+
+
+def describe_broker_configs_request(node_id: int) -> DescribeConfigsRequest:
+    # every config of the broker (configuration_keys null): Tansu 0.6 cannot decode a key list
+    resource = DescribeConfigsRequest.DescribeConfigsResource
+    return DescribeConfigsRequest(
+        resources=[resource(resource_type=_BROKER_RESOURCE, resource_name=str(node_id), configuration_keys=None)],
+        include_synonyms=False, include_documentation=False,
+    )
+
+
+def parse_transaction_max_timeout(response: Any) -> int | None:
+    """The broker's transaction.max.timeout.ms, or None if it did not report it."""
+    for result in response.results:
+        _check(result.error_code, f"DescribeConfigs(broker {result.resource_name})")
+        for config in result.configs:
+            if config.name == TRANSACTION_MAX_TIMEOUT and config.value not in (None, ""):
+                return int(config.value)
+    return None
+
+
+# --- broker-check verdicts (pure, unit tested) ---------------------------------------------------
+
+
+def verdict_transactions_supported(api_versions: Mapping[int, tuple[int, int]] | None) -> BrokerCheck:
+    if api_versions is None:
+        return BrokerCheck("transactions_supported", False, "the broker's ApiVersions answer is unknown: transaction "
+                           "support could not be checked", fix="check that the bootstrap server is a Kafka broker")
+    missing = [cls.__name__.removesuffix("Request") for cls in _TRANSACTION_APIS if cls.API_KEY not in api_versions]
+    if missing:
+        return BrokerCheck(
+            "transactions_supported", False,
+            f"the broker does not support transactions: its ApiVersions lacks {', '.join(missing)}",
+            fix="use a Kafka broker with transactions (Apache Kafka >= 0.11, with the transaction state topic "
+                "able to reach transaction.state.log.min.isr replicas)",
+        )
+    end_txn = api_versions[EndTxnRequest.API_KEY]
+    return BrokerCheck("transactions_supported", True,
+                       f"transactions supported: InitProducerId, AddPartitionsToTxn and EndTxn (v{end_txn[0]}-v{end_txn[1]}) are offered")
+
+
+def verdict_transaction_timeout(broker_max_ms: int | None, sink_timeout_ms: int) -> BrokerCheck:
+    name = "transaction_timeout"
+    if broker_max_ms is None:
+        fits = sink_timeout_ms <= KAFKA_DEFAULT_TRANSACTION_MAX_TIMEOUT_MS
+        return BrokerCheck(
+            name, fits,
+            f"the broker did not report {TRANSACTION_MAX_TIMEOUT}; the sink's transaction.timeout.ms "
+            f"{sink_timeout_ms} is {'within' if fits else 'above'} Kafka's default of "
+            f"{KAFKA_DEFAULT_TRANSACTION_MAX_TIMEOUT_MS} (not verified against this broker)",
+            fix=None if fits else f"raise {TRANSACTION_MAX_TIMEOUT} on every broker to at least {sink_timeout_ms}, "
+                                  f"or lower the sink's transaction_timeout_ms",
+        )
+    if sink_timeout_ms > broker_max_ms:
+        return BrokerCheck(
+            name, False,
+            f"the sink's transaction.timeout.ms {sink_timeout_ms} exceeds the broker's {TRANSACTION_MAX_TIMEOUT} "
+            f"{broker_max_ms}: every producer's init_transactions would be refused (INVALID_TRANSACTION_TIMEOUT)",
+            fix=f"raise {TRANSACTION_MAX_TIMEOUT} on every broker to at least {sink_timeout_ms}, or lower the "
+                f"sink's transaction_timeout_ms to at most {broker_max_ms}",
+        )
+    return BrokerCheck(name, True, f"the sink's transaction.timeout.ms {sink_timeout_ms} is within the broker's "
+                                   f"{TRANSACTION_MAX_TIMEOUT} {broker_max_ms}")
+
+
+def verdict_prefix(listed: Iterable[tuple[str, int, str]], prefix: str, known_ids: set[str], *, incomplete: str = "") -> BrokerCheck:
+    strangers = sorted({(tid, pid, state) for tid, pid, state in listed if tid.startswith(prefix) and tid not in known_ids})
+    if strangers:
+        shown = ", ".join(f"{tid} (producer id {pid}, {state})" for tid, pid, state in strangers[:10])
+        more = f" and {len(strangers) - 10} more" if len(strangers) > 10 else ""
+        return BrokerCheck(
+            "prefix_unused", False,
+            f"prefix {prefix!r} already in use by producers the coordinator does not know: {shown}{more}",
+            fix="give this sink a transactional_id_prefix no other application uses, or stop the producers using "
+                "these ids: the coordinator would abort their transactions and they would fence its leases",
+        )
+    return BrokerCheck("prefix_unused", True,
+                       f"no transactional id under prefix {prefix!r} on the broker other than the sink's own "
+                       f"(ListTransactions lists only ids the principal may Describe){incomplete}")
+
+
+def verdict_unsupported(name: str, exc: UnsupportedByBroker, fix: str) -> BrokerCheck:
+    return BrokerCheck(name, False, str(exc), fix=fix)
 
 
 class KafkaWireControlPlane:
@@ -324,6 +734,148 @@ class KafkaWireControlPlane:
 
         self._call(target, transactional_id, "abort", attempt)
 
+    # --- observations (KIP-664 sweep, stuck consumers, broker checks) --------------------------
+
+    def list_open_transactions(self, target: KafkaTarget, prefix: str) -> list[OpenTransaction]:
+        """Raises `UnsupportedByBroker` (a non-retriable ControlPlaneError, code
+        "unsupported_by_broker") when the broker lacks ListTransactions / DescribeTransactions."""
+
+        def attempt(client: _BrokerClient, timeout_ms: int) -> list[OpenTransaction]:
+            return client.run(client.open_transactions, prefix, timeout_ms)
+
+        return self._call(target, prefix, "list open transactions", attempt)
+
+    def partition_stability(self, target: KafkaTarget, topics: list[str]) -> list[PartitionStability]:
+        """A broker without DescribeProducers still answers; the blocking producer is then None."""
+        if not topics:
+            return []
+
+        def attempt(client: _BrokerClient, timeout_ms: int) -> list[PartitionStability]:
+            return client.run(client.stability, list(topics), timeout_ms)
+
+        return self._call(target, ",".join(topics), "partition stability", attempt)
+
+    def check_broker(self, target: KafkaTarget, prefix: str, known_ids: set[str]) -> list[BrokerCheck]:
+        """Plain-word verdicts, each with its fix when it failed. Never raises for a broker
+        problem: an unreachable or refusing broker is a verdict. Uses a fresh connection so the
+        answer reflects the broker now, not a cached connection."""
+        key = ",".join(s.strip() for s in target.bootstrap_servers.split(",") if s.strip())
+        client = _BrokerClient(key, self._config)
+        try:
+            return self._check_broker(client, target, prefix, known_ids)
+        finally:
+            client.close()
+
+    def _check_broker(self, client: _BrokerClient, target: KafkaTarget, prefix: str, known_ids: set[str]) -> list[BrokerCheck]:
+        timeout_ms = self.request_timeout_ms
+        servers = client.bootstrap_servers
+        try:
+            client.ensure_bootstrapped(timeout_ms)
+        except _Retry as exc:
+            cause = exc.__cause__ or exc
+            return [BrokerCheck(
+                "bootstrap", False,
+                f"cannot reach any bootstrap server {servers} within {timeout_ms} ms ({cause}); the other checks "
+                "need a reachable broker",
+                fix="check kafka.bootstrap.servers (host:port of a listener the coordinator can reach) and the "
+                    "network path (DNS, firewall, security groups); with TLS or SASL listeners also the "
+                    "coordinator's Kafka client settings",
+            )]
+        brokers = client.brokers()
+        checks = [BrokerCheck("bootstrap", True, f"bootstrap server {servers} answered: {len(brokers)} broker(s) in the cluster")]
+
+        reachable, unreachable = [], []
+        for broker in brokers:
+            try:
+                client.run(client.connect, broker.node_id, timeout_ms)
+                reachable.append(broker)
+            except Exception as exc:  # noqa: BLE001 - any failure to connect is the verdict
+                unreachable.append((broker, exc))
+        listeners_fix = (
+            "set advertised.listeners on these brokers (for the listener the coordinator and the Spark executors "
+            "use) to a host:port reachable from them -- not localhost, a container-internal name or a private "
+            "address -- or bootstrap through a listener that advertises reachable addresses"
+        )
+        if unreachable:
+            shown = "; ".join(f"node {b.node_id} at {b.host}:{b.port} ({type(e).__name__}: {e})" for b, e in unreachable)
+            checks.append(BrokerCheck(
+                "advertised_listeners", False,
+                f"the bootstrap server answered, but brokers advertise addresses the coordinator cannot reach: {shown}. "
+                "After bootstrap every Kafka client talks only to the advertised addresses, so producers and the "
+                "coordinator cannot reach the partition leaders or the transaction coordinator: this is the classic "
+                "\"Timed out waiting for a node assignment\" (Java clients) or init_transactions/flush timing out "
+                "(librdkafka)",
+                fix=listeners_fix,
+            ))
+        else:
+            shown = ", ".join(f"node {b.node_id} at {b.host}:{b.port}" for b in brokers)
+            checks.append(BrokerCheck("advertised_listeners", True, f"every broker's advertised address is reachable: {shown}"))
+
+        checks.append(verdict_transactions_supported(client.api_versions))
+        checks.append(self._timeout_check(client, target, reachable, timeout_ms, listeners_fix))
+        checks.append(self._prefix_check(client, prefix, known_ids, reachable, len(unreachable), timeout_ms, listeners_fix))
+        return checks
+
+    @staticmethod
+    def _timeout_check(client: _BrokerClient, target: KafkaTarget, reachable: list[Any], timeout_ms: int,
+                       listeners_fix: str) -> BrokerCheck:
+        name = "transaction_timeout"
+        if not reachable:
+            return BrokerCheck(name, False, f"could not read the broker's {TRANSACTION_MAX_TIMEOUT}: no broker is "
+                                            "reachable at its advertised address", fix=listeners_fix)
+        node_id = reachable[0].node_id
+        try:
+            broker_max = client.run(client.transaction_max_timeout, node_id, timeout_ms)
+        except UnsupportedByBroker as exc:
+            fits = target.transaction_timeout_ms <= KAFKA_DEFAULT_TRANSACTION_MAX_TIMEOUT_MS
+            return BrokerCheck(name, fits, f"{exc}; the sink's transaction.timeout.ms {target.transaction_timeout_ms} "
+                                           f"is {'within' if fits else 'above'} Kafka's default of "
+                                           f"{KAFKA_DEFAULT_TRANSACTION_MAX_TIMEOUT_MS} (not verified)",
+                               fix=None if fits else "check the brokers' transaction.max.timeout.ms by hand")
+        except ControlPlaneError as exc:
+            if is_authorization_error(exc.code):
+                return BrokerCheck(name, False, authorization_message(DescribeConfigsRequest.API_KEY, exc.code),
+                                   fix="grant the coordinator's principal DescribeConfigs on the cluster, or check "
+                                       f"{TRANSACTION_MAX_TIMEOUT} on the brokers by hand")
+            return BrokerCheck(name, False, f"could not read the broker's {TRANSACTION_MAX_TIMEOUT}: {exc}",
+                               fix="retry the check; if it persists, check the broker's logs")
+        except (_Retry, Errors.KafkaError, OSError, RuntimeError) as exc:
+            return BrokerCheck(name, False, f"could not read the broker's {TRANSACTION_MAX_TIMEOUT} from node "
+                                            f"{node_id}: {type(exc).__name__}: {exc}",
+                               fix="retry the check; if it persists, check the broker's logs")
+        return verdict_transaction_timeout(broker_max, target.transaction_timeout_ms)
+
+    @staticmethod
+    def _prefix_check(client: _BrokerClient, prefix: str, known_ids: set[str], reachable: list[Any], n_unreachable: int,
+                      timeout_ms: int, listeners_fix: str) -> BrokerCheck:
+        name = "prefix_unused"
+        if not reachable:
+            return BrokerCheck(name, False, "could not list the broker's transactional ids: no broker is reachable at "
+                                            "its advertised address", fix=listeners_fix)
+        listed: list[tuple[str, int, str]] = []
+        try:
+            for broker in reachable:  # every broker coordinates some ids; all states, not only open ones
+                listed.extend(client.run(client.list_transactions, broker.node_id, (), prefix, timeout_ms))
+        except UnsupportedByBroker as exc:
+            return verdict_unsupported(
+                name, exc,
+                "use Apache Kafka >= 3.0 to let the coordinator see other producers under the prefix and sweep "
+                "lingering transactions; meanwhile make sure no other application uses this prefix (the coordinator "
+                "still aborts every id its database knows)",
+            )
+        except ControlPlaneError as exc:
+            if is_authorization_error(exc.code):
+                return BrokerCheck(name, False, authorization_message(ListTransactionsRequest.API_KEY, exc.code, prefix),
+                                   fix=f"grant the coordinator's principal Describe on transactional ids with prefix "
+                                       f"{prefix!r} (a PREFIXED TransactionalId ACL) and Describe on the cluster")
+            return BrokerCheck(name, False, f"could not list the broker's transactional ids: {exc}",
+                               fix="retry the check; if it persists, check the broker's logs")
+        except (_Retry, Errors.KafkaError, OSError, RuntimeError) as exc:
+            return BrokerCheck(name, False, f"could not list the broker's transactional ids: {type(exc).__name__}: {exc}",
+                               fix="retry the check; if it persists, check the broker's logs")
+        incomplete = f"; {n_unreachable} unreachable broker(s) not listed" if n_unreachable else ""
+        return verdict_prefix(listed, prefix, known_ids, incomplete=incomplete)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -353,8 +905,8 @@ class KafkaWireControlPlane:
         client.close()
 
     def _call(
-        self, target: KafkaTarget, transactional_id: str, what: str, attempt: Callable[[_BrokerClient, int], None]
-    ) -> None:
+        self, target: KafkaTarget, transactional_id: str, what: str, attempt: Callable[[_BrokerClient, int], T]
+    ) -> T:
         started = time.monotonic()
         deadline = started + self.retry_budget_ms / 1000
         tries = 0
@@ -366,10 +918,10 @@ class KafkaWireControlPlane:
             try:
                 client = self._client(target.bootstrap_servers)
                 client.ensure_bootstrapped(timeout_ms)
-                attempt(client, timeout_ms)
+                result = attempt(client, timeout_ms)
                 if tries > 1:
                     log.info("%s of %s succeeded after %d tries", what, transactional_id, tries)
-                return
+                return result
             except ControlPlaneError:
                 raise
             except _Retry as exc:

@@ -13,6 +13,10 @@ everything, and on request answers chosen requests itself with a real Kafka erro
 with kafka-python's protocol classes) or drops the response after the broker applied the request.
 It is how the tests exercise the answers real Kafka gives and Tansu never does
 (CONCURRENT_TRANSACTIONS, NOT_COORDINATOR, PRODUCER_FENCED as an error code, ...).
+`respond()` answers chosen requests with a recorded response built by the test (kafka-python
+response objects) and `advertise()` adds APIs to the broker's ApiVersions answer: together they
+stand in for the APIs Tansu lacks (KIP-664 ListTransactions / DescribeTransactions /
+DescribeProducers, a DescribeConfigs that reports transaction.max.timeout.ms).
 
 `partition_log` reads a partition with a raw Fetch so that the transaction markers (control
 batches) the broker wrote are visible: a COMMIT marker is the broker's record that EndTxn(commit)
@@ -247,6 +251,7 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TansuBro
 API_FIND_COORDINATOR = 10
 API_INIT_PRODUCER_ID = 22
 API_END_TXN = 26
+API_API_VERSIONS = 18
 
 _DROP = object()
 
@@ -254,9 +259,37 @@ _DROP = object()
 @dataclass
 class _Rule:
     api_key: int
-    action: str  # "error": answer with error_code instead of forwarding; "drop": forward, lose the answer
+    action: str  # "error": answer with error_code instead of forwarding; "drop": forward, lose the answer;
+    # "respond": answer with respond(version, request frame) -- a kafka-python response object -- instead
     error_code: int
     remaining: int
+    respond: Any = None
+
+
+def _recorded_response(rule: _Rule, version: int, correlation_id: int, request: bytes) -> bytes:
+    """A recorded (canned) answer built by the test with kafka-python's protocol classes."""
+    response = rule.respond(version, request)  # built with version=version
+    response.with_header(correlation_id=correlation_id)
+    return bytes(response.encode(header=True, framed=True))
+
+
+def _advertising(extra: dict[int, tuple[int, int]], version: int) -> Any:
+    """Rewrites an ApiVersions answer so it also offers `extra` APIs (which the proxy answers
+    itself with recorded responses, since the broker behind it lacks them)."""
+    from kafka.protocol.metadata import ApiVersionsResponse
+
+    def rewrite(frame: bytes) -> bytes:
+        response = ApiVersionsResponse.decode(frame, version=version, header=True, framed=True)
+        if response.error_code != 0:
+            return frame
+        keys = [k for k in response.api_keys if k.api_key not in extra]
+        keys += [ApiVersionsResponse.ApiVersion(api_key=k, min_version=lo, max_version=hi) for k, (lo, hi) in extra.items()]
+        response.api_keys = sorted(keys, key=lambda k: k.api_key)
+        correlation_id = response._header.correlation_id
+        response.with_header(correlation_id=correlation_id)
+        return bytes(response.encode(header=True, framed=True))
+
+    return rewrite
 
 
 def _error_response(api_key: int, version: int, correlation_id: int, error_code: int, request: bytes) -> bytes:
@@ -297,6 +330,7 @@ class KafkaFaultProxy:
         self.requests: Counter[int] = Counter()
         self.injected: Counter[int] = Counter()
         self.connections = 0  # client connections accepted since the last clear()
+        self.advertised: dict[int, tuple[int, int]] = {}
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
@@ -305,16 +339,33 @@ class KafkaFaultProxy:
         self._server.bind(("127.0.0.1", listen_port))
         self._server.listen(64)
         self._closed = False
+        self._release = threading.Event()
+        self.held = 0  # requests currently held by a "hold" rule
         threading.Thread(target=self._accept, name="kafka-proxy-accept", daemon=True).start()
 
     def inject(self, api_key: int, *, error_code: int = 0, times: int = 1, action: str = "error") -> None:
-        assert action in ("error", "drop")
+        # "hold": keep the request (never forwarded) until release(); dropped if the client goes away
+        assert action in ("error", "drop", "hold")
+        if action == "hold":
+            self._release.clear()
         with self._lock:
             self._rules.append(_Rule(api_key, action, error_code, times))
+
+    def respond(self, api_key: int, respond: Any, *, times: int = 1_000_000) -> None:
+        """Answer requests of api_key with `respond(version, request_frame)` (a kafka-python
+        response object) instead of forwarding them."""
+        with self._lock:
+            self._rules.append(_Rule(api_key, "respond", 0, times, respond))
+
+    def advertise(self, api_key: int, min_version: int, max_version: int) -> None:
+        """Offer an API in ApiVersions answers that the broker behind lacks (answer it with respond())."""
+        with self._lock:
+            self.advertised[api_key] = (min_version, max_version)
 
     def clear(self) -> None:
         with self._lock:
             self._rules.clear()
+            self.advertised.clear()
             self.requests.clear()
             self.injected.clear()
             self.connections = 0
@@ -328,6 +379,29 @@ class KafkaFaultProxy:
                     self.injected[api_key] += 1
                     return rule
         return None
+
+    def release(self) -> None:
+        """Let every held request through (to clients still connected)."""
+        self._release.set()
+
+    def _hold(self, client: socket.socket) -> bool:
+        """Wait until release(); False if the client disconnected meanwhile (the request is then
+        never forwarded: the broker never sees it)."""
+        import select
+
+        # POLLRDHUP: the peer closed, even with further requests still unread in the buffer
+        poller = select.poll()
+        poller.register(client, getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLLERR)
+        with self._lock:
+            self.held += 1
+        try:
+            while not self._release.wait(0.05):
+                if self._closed or poller.poll(0):
+                    return False
+            return True
+        finally:
+            with self._lock:
+                self.held -= 1
 
     def close(self) -> None:
         self._closed = True
@@ -381,14 +455,23 @@ class _Connection:
                     break
                 api_key, version, correlation_id = struct.unpack(">hhi", frame[4:12])
                 rule = self.proxy._match(api_key)
+                if rule is not None and rule.action == "hold":
+                    if not self.proxy._hold(self.client):
+                        break
+                    rule = None
                 with self.lock:
-                    if rule is not None and rule.action == "error":
-                        self.pending.append(
-                            [correlation_id, _error_response(api_key, version, correlation_id, rule.error_code, frame[4:])]
+                    if rule is not None and rule.action in ("error", "respond"):
+                        answer = (
+                            _error_response(api_key, version, correlation_id, rule.error_code, frame[4:])
+                            if rule.action == "error" else _recorded_response(rule, version, correlation_id, frame[4:])
                         )
+                        self.pending.append([correlation_id, answer])
                         self._flush_injected()
                         continue
-                    self.pending.append([correlation_id, _DROP if rule is not None else None])
+                    action: Any = _DROP if rule is not None else None
+                    if api_key == API_API_VERSIONS and self.proxy.advertised:
+                        action = _advertising(dict(self.proxy.advertised), version)
+                    self.pending.append([correlation_id, action])
                 self.upstream.sendall(frame)
         except Exception:  # noqa: BLE001 - any failure ends this proxied connection
             pass
@@ -406,6 +489,8 @@ class _Connection:
                     assert expected == correlation_id, (expected, correlation_id)
                     if action is _DROP:
                         break  # the broker applied the request; its answer is lost with the connection
+                    if callable(action):
+                        frame = action(frame)
                     self.client.sendall(frame)
                     self._flush_injected()
         except (OSError, IndexError, AssertionError):

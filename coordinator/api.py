@@ -4,6 +4,7 @@ mapping of protocol errors to status codes live here; decisions do not."""
 
 import logging
 import time
+from dataclasses import asdict
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -178,7 +179,8 @@ def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: byte
     def register_sink(body: SinkRegistration, who: Admin, response: Response) -> SinkRegistered:
         """Register a sink (201). Registering the same configuration again returns the same sink and
         writer token (200); a different configuration under the same name is a 409."""
-        sink, created = coordinator.register_sink(SinkSpec(**body.model_dump()), who.actor)
+        spec = SinkSpec(**body.model_dump(exclude={"check_broker"}))
+        sink, created = coordinator.register_sink(spec, who.actor, check_broker=body.check_broker)
         if not created:
             response.status_code = 200
         return registered(sink)
@@ -308,7 +310,7 @@ def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: byte
         """Check the sink's Kafka cluster now: bootstrap and advertised listeners reachable,
         transactions supported, transaction.max.timeout.ms against the sink's timeout, no unknown
         producer under the prefix, authorization. Each verdict in plain words with its fix."""
-        return [BrokerCheckOut(name=c.name, ok=c.ok, verdict=c.verdict, fix=c.fix) for c in check_sink_broker(coordinator, name)]
+        return [BrokerCheckOut(**asdict(c)) for c in check_sink_broker(coordinator, name)]
 
     @app.get("/v1/sinks/{name}/partitions", tags=["operator"], responses=ERRORS)
     def partitions(

@@ -82,6 +82,7 @@ class BrokerCheck:
     ok: bool
     verdict: str
     fix: str | None = None
+    verified: bool = True  # False: the broker cannot answer this question (e.g. lacks the API)
 
 
 class KafkaControlPlane(Protocol):
@@ -119,6 +120,7 @@ class RecordingControlPlane:
         self.aborts: list[tuple[str, str]] = []
         self.open_transactions: list[OpenTransaction] = []
         self.partitions: list[PartitionStability] = []
+        self.broker_checks: list[BrokerCheck] | None = None  # what check_broker answers, if set
         self._failures: list[ControlPlaneError] = []
         self._lock = threading.Lock()
 
@@ -159,6 +161,9 @@ class RecordingControlPlane:
 
     def check_broker(self, target: KafkaTarget, prefix: str, known_ids: set[str]) -> list[BrokerCheck]:
         self._maybe_fail()
+        with self._lock:
+            if self.broker_checks is not None:
+                return list(self.broker_checks)
         return [BrokerCheck("control_plane", True, "record-only test control plane: no broker was checked")]
 
     def close(self) -> None:

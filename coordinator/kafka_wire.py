@@ -652,7 +652,7 @@ def verdict_prefix(listed: Iterable[tuple[str, int, str]], prefix: str, known_id
 
 
 def verdict_unsupported(name: str, exc: UnsupportedByBroker, fix: str) -> BrokerCheck:
-    return BrokerCheck(name, False, str(exc), fix=fix)
+    return BrokerCheck(name, False, str(exc), fix=fix, verified=False)
 
 
 class KafkaWireControlPlane:

@@ -31,6 +31,11 @@ class SinkRegistration(Request):
     transaction_timeout_ms: Annotated[int, Field(ge=1_000, le=86_400_000)] = 60_000
     commit_margin_ms: Annotated[int | None, Field(ge=0)] = None
     max_pool_size: Annotated[int | None, Field(ge=1, le=1_000_000)] = None
+    check_broker: bool = Field(
+        True,
+        description="check the broker before registering (reachability, advertised listeners, transactions, "
+        "transaction.max.timeout.ms, prefix not in use); false to register before Kafka exists",
+    )
 
 
 class GenerationRequest(Request):
@@ -286,6 +291,7 @@ class BrokerCheckOut(BaseModel):
     ok: bool
     verdict: str = Field(description="what was found, in plain words")
     fix: str | None = Field(description="what to change when the check failed")
+    verified: bool = Field(True, description="false when the broker cannot answer this question (e.g. lacks the API)")
 
 
 class BlockingTransactionOut(BaseModel):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -180,14 +180,20 @@ class Coordinator:
 
     # --- sinks -------------------------------------------------------------------------------
 
-    def register_sink(self, spec: SinkSpec, actor: str) -> tuple[Sink, bool]:
-        """Returns (sink, created). Registering the same spec again returns the same sink."""
+    def register_sink(self, spec: SinkSpec, actor: str, *, check_broker: bool = True) -> tuple[Sink, bool]:
+        """Returns (sink, created). Registering the same spec again returns the same sink. A new
+        sink is first checked against its broker (when a control plane is configured)."""
         rules.validate_sink_name(spec.name)
         rules.validate_prefix(spec.transactional_id_prefix)
         margin = spec.commit_margin_ms
         if margin is None:
             margin = rules.default_commit_margin_ms(spec.transaction_timeout_ms)
         rules.validate_timeouts(spec.transaction_timeout_ms, margin, self.limits.broker_max_transaction_timeout_ms)
+        if check_broker and self.control_plane is not None:
+            with self.engine.connect() as conn:
+                known = conn.execute(select(sinks.c.id).where(sinks.c.name == spec.name)).first() is not None
+            if not known:  # a retried registration answers from the record, whatever the broker says now
+                self._check_new_sink_broker(spec)
         max_pool = spec.max_pool_size or 4 * self.limits.max_partitions
         values = dict(
             name=spec.name,
@@ -231,6 +237,21 @@ class Coordinator:
             return repo.sink_by_name(conn, spec.name), True
 
         return self._tx(step)
+
+    def _check_new_sink_broker(self, spec: SinkSpec) -> None:
+        assert self.control_plane is not None
+        target = KafkaTarget(spec.name, spec.bootstrap_servers, spec.transaction_timeout_ms)
+        checks = self.control_plane.check_broker(target, spec.transactional_id_prefix + "-", set())
+        failed = [c for c in checks if not c.ok and c.verified]
+        if failed:
+            raise e.Invalid(
+                "broker_check_failed",
+                "the sink's broker failed its checks: "
+                + "; ".join(f"{c.name}: {c.verdict}" + (f" (fix: {c.fix})" if c.fix else "") for c in failed)
+                + ". Register with check_broker=false to skip (e.g. before Kafka exists).",
+                field="bootstrap_servers",
+                checks=[asdict(c) for c in checks],
+            )
 
     def list_sinks(self) -> list[Sink]:
         with self.engine.connect() as conn:

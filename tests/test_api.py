@@ -525,3 +525,36 @@ def test_readyz_and_commit_without_database_or_control_plane(database_url: str) 
     finally:
         unconfigured.close()
         engine.dispose()
+
+
+# --- broker checks at registration --------------------------------------------------------------
+
+
+def test_registration_is_refused_when_the_broker_fails_its_checks(
+    admin: ProtocolClient, coordinator: Coordinator, kafka: RecordingControlPlane
+) -> None:
+    from coordinator.kafka_control import BrokerCheck
+
+    kafka.broker_checks = [
+        BrokerCheck("bootstrap", True, "bootstrap server answered: 1 broker(s)"),
+        BrokerCheck("advertised_listeners", False, "no broker is reachable at its advertised address kafka:9092",
+                    fix="set advertised.listeners to an address clients can reach"),
+        BrokerCheck("prefix_unused", False, "broker does not support ListTransactions", verified=False),
+    ]
+    refused = admin.register_sink(SINK, PREFIX, expect=None)
+    err = error_of(refused, 422, "broker_check_failed")
+    assert "advertised_listeners" in err["message"] and "advertised.listeners" in err["message"]
+    assert "prefix_unused" not in err["message"]  # a question the broker cannot answer does not block
+    assert [c["name"] for c in err["detail"]["checks"]] == ["bootstrap", "advertised_listeners", "prefix_unused"]
+    assert coordinator.list_sinks() == []
+
+    registered = admin.register_sink(SINK, PREFIX, check_broker=False, expect=201)  # before Kafka exists
+    # a retry of an existing registration answers from the record, whatever the broker says now
+    again = admin.register_sink(SINK, PREFIX, expect=200)
+    assert again == registered
+
+    kafka.broker_checks = [BrokerCheck("prefix_unused", False, "broker does not support ListTransactions", verified=False)]
+    assert admin.register_sink("other", "other-eos", expect=201)["sink"]["name"] == "other"
+    checks = admin.request("POST", "/v1/sinks/other/broker-check")
+    assert checks == [{"name": "prefix_unused", "ok": False, "verdict": "broker does not support ListTransactions",
+                       "fix": None, "verified": False}]

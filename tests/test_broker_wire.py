@@ -74,6 +74,7 @@ from coordinator.kafka_wire import (
     KafkaWireControlPlane,
     UnsupportedByBroker,
 )
+from coordinator.protocol import errors as e
 from coordinator.protocol.rules import PrecommitRequest
 from coordinator.service import Coordinator, Limits, SinkSpec
 
@@ -221,6 +222,22 @@ def test_check_broker_with_an_unreachable_bootstrap_server(plane: KafkaWireContr
     assert only.name == "bootstrap" and not only.ok
     assert only.verdict.startswith(f"cannot reach any bootstrap server 127.0.0.1:{closed}")
     assert only.fix and "kafka.bootstrap.servers" in only.fix and "network" in only.fix
+
+
+def test_sink_registration_runs_the_broker_checks(tansu: TansuBroker, plane: KafkaWireControlPlane, engine: Engine,
+                                                 clock: ManualClock) -> None:
+    c = Coordinator(engine, plane, clock=clock, limits=Limits(max_partitions=16))
+    # Tansu cannot list transactional ids (no KIP-664): an unverifiable check does not block
+    sink, created = c.register_sink(SinkSpec("orders", tid("pfx"), tansu.bootstrap, ["out"]), "admin")
+    assert created and sink.bootstrap_servers == tansu.bootstrap
+    closed = free_port()
+    with pytest.raises(e.Invalid) as refused:
+        c.register_sink(SinkSpec("unreachable", tid("pfx"), f"127.0.0.1:{closed}", ["out"]), "admin")
+    assert refused.value.reason == "broker_check_failed"
+    assert f"cannot reach any bootstrap server 127.0.0.1:{closed}" in refused.value.message
+    assert [s.name for s in c.list_sinks()] == ["orders"]
+    skipped, _ = c.register_sink(SinkSpec("later", tid("pfx"), f"127.0.0.1:{closed}", ["out"]), "admin", check_broker=False)
+    assert skipped.name == "later"
 
 
 def test_check_broker_when_the_advertised_listener_is_unreachable(

@@ -246,6 +246,15 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TansuBro
         proxy.close()
 
 
+@pytest.fixture
+def faulty(proxied: tuple[TansuBroker, KafkaFaultProxy]) -> Iterator[tuple[TansuBroker, KafkaFaultProxy]]:
+    """The proxied broker with no fault left over from an earlier test."""
+    broker, proxy = proxied
+    proxy.clear()
+    yield broker, proxy
+    proxy.clear()
+
+
 # --- the fault-injecting proxy ----------------------------------------------------------------
 
 API_FIND_COORDINATOR = 10

@@ -50,6 +50,7 @@ from kafka.protocol.admin.transactions import (
     ListTransactionsResponse,
 )
 from kafka_broker import (  # noqa: F401 - fixtures
+    faulty,
     KafkaFaultProxy,
     TansuBroker,
     free_port,
@@ -102,14 +103,6 @@ def plane() -> Iterator[KafkaWireControlPlane]:
     p = KafkaWireControlPlane(request_timeout_ms=1_000, retry_budget_ms=2_500, retry_backoff_ms=40, retry_backoff_max_ms=300)
     yield p
     p.close()
-
-
-@pytest.fixture
-def faulty(proxied: tuple[TansuBroker, KafkaFaultProxy]) -> Iterator[tuple[TansuBroker, KafkaFaultProxy]]:
-    broker, proxy = proxied
-    proxy.clear()
-    yield broker, proxy
-    proxy.clear()
 
 
 # --- recorded responses (what a real Kafka answers), kafka-python protocol classes --------------

@@ -50,6 +50,7 @@ from coordinator.protocol.states import CheckpointState, LeaseState
 from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.settings import Settings
 from kafka_broker import (  # noqa: F401 - fixtures
+    faulty,
     API_END_TXN,
     API_FIND_COORDINATOR,
     API_INIT_PRODUCER_ID,
@@ -108,14 +109,6 @@ def short_plane() -> Iterator[KafkaWireControlPlane]:
                               retry_backoff_ms=40, retry_backoff_max_ms=200)
     yield p
     p.close()
-
-
-@pytest.fixture
-def faulty(proxied: tuple[TansuBroker, KafkaFaultProxy]) -> Iterator[tuple[TansuBroker, KafkaFaultProxy]]:
-    broker, proxy = proxied
-    proxy.clear()
-    yield broker, proxy
-    proxy.clear()
 
 
 def refused_by_tansu(broker: TansuBroker, call: Callable[[], None], reason: str) -> ControlPlaneError:

@@ -1,0 +1,1 @@
+"""Deterministic, seeded fault-injection simulation of Spark -> coordinator -> Kafka (issue 5)."""

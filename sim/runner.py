@@ -1,0 +1,519 @@
+"""One seeded schedule: a fresh sink, simulated Spark writing N batches through the real
+coordinator (real Postgres) into the Kafka model, faults injected at every step; then quiescence
+and the checker (I1-I7).
+
+Everything runs on one thread and draws from one random.Random(seed): the same seed gives the
+same faults at the same steps and the same trace. Nothing sleeps; time is a ManualClock shared by
+the coordinator and the model (the model aborts transactions past their timeout as it moves).
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, delete, event, select, text
+
+from coordinator.clock import ManualClock
+from coordinator.protocol import errors as e
+from coordinator.protocol.invariants import (
+    Snapshot,
+    check_committed_unchanged,
+    check_invariants,
+    check_unchanged,
+)
+from coordinator.protocol.model import Alert
+from coordinator.protocol.states import CheckpointState
+from coordinator.recovery import RecoveryLoop
+from coordinator.service import Coordinator, Limits, SinkSpec
+from coordinator.store import repo
+from coordinator.store.tables import (
+    attempts,
+    checkpoints,
+    events,
+    generations,
+    leases,
+    sinks,
+    transactional_ids,
+)
+
+from .faults import (
+    ClientGaveUp,
+    CoordinatorCrash,
+    DriverCrash,
+    FaultConfig,
+    Faults,
+    InjectedDbFailure,
+    Injector,
+)
+from .kafka_model import KafkaModel, ModelControlPlane
+from .spark import (
+    CheckpointLocation,
+    Driver,
+    JobFailed,
+    ZombieState,
+    batch_input,
+    zombie_call,
+)
+
+T = TypeVar("T")
+
+TIMEOUT_MS = 10_000
+MARGIN_MS = 2_000
+MAX_DRIVER_RUNS = 8
+RUN_NONCE = uuid.uuid4().hex[:6]  # sink names differ between processes sharing a database
+RETRIABLE_UNAVAILABLE = {"kafka_commit_failed", e.POOL_EXHAUSTED}
+
+
+class _SyncPool:
+    """Stands in for the coordinator's Kafka thread pool: the simulation is single-threaded, so
+    the order of Kafka calls (and of the faults drawn for them) is the seed's."""
+
+    def map(self, fn: Callable[[Any], T], items: Any) -> Iterator[T]:
+        return map(fn, items)
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
+@dataclass
+class ScheduleResult:
+    seed: int
+    violations: list[str]
+    faults: Counter[str]
+    fault_list: list[str]
+    trace: list[str]
+    batches: int
+    committed: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def report(self, trace_lines: int = 60) -> str:
+        lines = [f"seed {self.seed}: {len(self.violations)} violation(s)"]
+        lines += [f"  VIOLATION {v}" for v in self.violations]
+        lines.append(f"  faults: {', '.join(self.fault_list) or 'none'}")
+        lines.append(f"  trace (last {trace_lines} of {len(self.trace)} lines):")
+        lines += [f"    {t}" for t in self.trace[-trace_lines:]]
+        lines.append(f"  replay: python -m sim replay {self.seed}")
+        return "\n".join(lines)
+
+
+class Replica:
+    """One coordinator process (and its recovery loop) of the deployment."""
+
+    def __init__(self, sim: Sim, index: int) -> None:
+        self.sim = sim
+        self.index = index
+        self.restarts = 0
+        self.coordinator: Coordinator
+        self.loop: RecoveryLoop
+        self.start()
+
+    def start(self) -> None:
+        sim = self.sim
+        plane = ModelControlPlane(sim.model, hook=sim.injector.kafka_hook)
+        c = Coordinator(sim.engine, plane, clock=sim.clock, limits=Limits(max_partitions=64))
+        c._kafka_pool.shutdown(wait=False)
+        c._kafka_pool = _SyncPool()  # type: ignore[assignment]
+        self.coordinator = c
+        self.loop = RecoveryLoop(c, interval_ms=5_000, leader_ttl_ms=600_000, holder=f"sim-replica-{self.index}")
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self.start()  # the dead object is dropped; its leadership row stays until it expires or is taken
+
+
+class Client:
+    """The coordinator client of the driver and the executors: retries the same request after a
+    failure, a lost response or a 503, on whichever replica the load balancer picks."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+
+    def call(self, name: str, fn: Callable[[Coordinator], T], *, retries: int = 12) -> T:
+        sim = self.sim
+        f = sim.faults
+        for _ in range(retries):
+            replica = sim.pick_replica()
+            if f.roll("request_fail"):
+                f.fired("request_fail", name)
+                sim.trace(f"  !! {name}: request failed")
+                continue
+            try:
+                with sim.operation(name, inject=True):
+                    try:
+                        result = fn(replica.coordinator)
+                    except Exception as exc:
+                        if sim.injector.dead:  # whatever surfaced, the process had died
+                            raise CoordinatorCrash(name) from exc
+                        raise
+            except CoordinatorCrash:
+                sim.restart_replica(replica)
+                continue
+            except InjectedDbFailure:
+                continue
+            except e.Unavailable as exc:
+                if exc.reason not in RETRIABLE_UNAVAILABLE:
+                    raise
+                sim.trace(f"  {name}: 503 {exc.reason}, retrying")
+                continue
+            if f.roll("lost_response"):
+                f.fired("lost_response", name)
+                sim.trace(f"  !! {name}: response lost")
+                continue
+            if f.roll("duplicate_request"):
+                f.fired("duplicate_request", name)
+                sim.trace(f"  !! {name}: delivered twice")
+                other = sim.pick_replica()
+                with sim.operation(name + " (duplicate)", inject=False):
+                    result = fn(other.coordinator)
+            return result
+        raise ClientGaveUp(f"{name}: gave up after {retries} tries")
+
+
+class Sim:
+    def __init__(self, seed: int, engine: Engine, config: FaultConfig | None = None, *, n_batches: int | None = None) -> None:
+        self.seed = seed
+        self.engine = engine
+        self.rng = random.Random(seed)
+        self.faults = Faults(self.rng, config or FaultConfig())
+        self.clock = ManualClock()
+        self.model = KafkaModel(self.clock)
+        self.injector = Injector(self)
+        self.lines: list[str] = []
+        self.violations: list[str] = []
+        self.op = ""
+        self.n_batches = n_batches if n_batches is not None else self.rng.randint(2, 5)
+        self.sink = f"sim-{RUN_NONCE}-{seed}"
+        self.prefix = f"p{RUN_NONCE}s{seed}x"
+        self.topic = "out"
+        self.timeout_ms = TIMEOUT_MS
+        self.margin_ms = MARGIN_MS
+        self.small_delay_ms = MARGIN_MS // 10
+        self.ckpt = CheckpointLocation(query_id=f"query-{seed}")
+        self.client = Client(self)
+        self._leases: dict[int, str] = {}
+        self._tids: dict[str, str] = {}
+        self.pending_zombies: list[ZombieState] = []
+        self.replicas: list[Replica] = []
+        self.sink_id: int | None = None
+        self._last_snapshot: Snapshot | None = None
+
+    # --- small helpers ------------------------------------------------------------------------
+
+    def trace(self, line: str) -> None:
+        self.lines.append(line)
+
+    def local(self, key: str) -> str:
+        """A transactional id (or prefix) without the run's prefix, for traces that replay the same."""
+        if key.startswith(self.prefix):
+            return "id" + key[len(self.prefix):]
+        return key
+
+    def locals(self, keys: list[str]) -> list[str]:
+        return [self.local(k) for k in keys]
+
+    def local_lease(self, lease_id: int | None) -> str | None:
+        if lease_id is None:
+            return None
+        return self._leases.setdefault(lease_id, f"L{len(self._leases) + 1}")
+
+    def advance(self, ms: int) -> None:
+        if ms:
+            self.clock.advance(ms=ms)
+            for tid in self.model.expire():
+                self.trace(f"  broker aborted {self.local(tid)} at its timeout")
+
+    def pick_replica(self) -> Replica:
+        return self.replicas[self.rng.randrange(len(self.replicas))]
+
+    def restart_replica(self, replica: Replica) -> None:
+        self.trace(f"  coordinator replica {replica.index} restarted")
+        replica.restart()
+
+    @contextmanager
+    def operation(self, name: str, *, inject: bool) -> Iterator[None]:
+        """One coordinator operation: maybe arm a crash / connection failure at a step inside it."""
+        self.op = name
+        inj = self.injector
+        if inject:
+            f = self.faults
+            if f.roll("coordinator_crash"):
+                where = self.rng.choice(["crash_db", "crash_db", "crash_kafka"])
+                inj.arm(where, self.rng.randint(1, 12), self.rng.choice(["before", "after"]))
+            elif f.roll("db_failure"):
+                inj.arm("db_failure", self.rng.randint(1, 12))
+            inj.kafka_faults = f.enabled
+        try:
+            yield
+        finally:
+            inj.disarm()
+            self.op = ""
+
+    # --- recovery, time ---------------------------------------------------------------------------
+
+    def recovery_tick(self, why: str, *, inject: bool = True) -> None:
+        replica = self.pick_replica()
+        if inject and len(self.replicas) > 1 and self.faults.roll("leader_failover"):
+            self.faults.fired("leader_failover")
+            self.trace("  !! recovery leader steps down")
+            self._release_leadership()
+        try:
+            with self.operation(f"recovery run_once (replica {replica.index})", inject=inject):
+                try:
+                    report = replica.loop.run_once()
+                except Exception as exc:
+                    if self.injector.dead:
+                        raise CoordinatorCrash("recovery") from exc
+                    raise
+                if self.injector.dead:  # the crash was swallowed by a step's error handler
+                    raise CoordinatorCrash("recovery")
+        except CoordinatorCrash:
+            self.restart_replica(replica)
+            return
+        except InjectedDbFailure:
+            return
+        mine = report.sinks.get(self.sink)
+        if mine is not None:
+            done = [f"{k}={v}" for k, v in (("committed", mine.committed), ("lost", mine.lost),
+                                             ("expired", self.locals(mine.expired)), ("aborted", self.locals(mine.aborted)),
+                                             ("lingering", self.locals(mine.lingering_aborted))) if v]
+            if done or mine.errors:
+                self.trace(f"  recovery (replica {replica.index}, {why}): {' '.join(done)} {mine.errors or ''}")
+
+    def _release_leadership(self) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(text("UPDATE recovery_leader SET expires_at = now() - interval '1 millisecond'"))
+
+    def committing_batches(self) -> list[int]:
+        assert self.sink_id is not None
+        with self.engine.connect() as conn:
+            return list(conn.execute(select(checkpoints.c.batch_id).where(
+                checkpoints.c.sink_id == self.sink_id,
+                checkpoints.c.state == CheckpointState.COMMITTING.value)).scalars())
+
+    def maybe_near_timeout(self, where: str, *, task: bool = False) -> None:
+        """The clock jumps close to the transaction timeout (a slow task, a long GC, a slow job).
+        A correctly configured deployment finishes decided commits well within the margin, so a
+        recovery iteration runs first if a decided commit is still unfinished."""
+        if not self.faults.roll("near_timeout"):
+            return
+        for _ in range(5):
+            if not self.committing_batches():
+                break
+            self.recovery_tick("before a long pause", inject=False)
+        jump = self.timeout_ms - self.margin_ms + self.rng.randint(-self.margin_ms, self.margin_ms)
+        self.faults.fired("near_timeout", f"{jump}ms {where}")
+        self.trace(f"  !! clock jumps {jump} ms ({where})")
+        self.advance(jump)
+
+    # --- zombies (I5) -------------------------------------------------------------------------
+
+    def on_generation_started(self, driver: Driver) -> None:
+        for z in self.pending_zombies:
+            if z.generation < 0 or z.generation >= (driver.generation or 0):
+                continue
+            what, thunk = zombie_call(self, z)
+            self.check_stale_call(f"zombie generation {z.generation} {what}", thunk)
+        self.pending_zombies.clear()
+
+    def check_stale_call(self, what: str, thunk: Callable[[Coordinator], Any]) -> None:
+        before = self.snapshot()
+        outcome = "accepted"
+        with self.operation(what, inject=False):
+            try:
+                thunk(self.replicas[0].coordinator)
+            except e.Conflict as exc:
+                outcome = f"409 {exc.reason}"
+            except e.ProtocolError as exc:
+                outcome = f"{exc.status} {exc.reason}"
+        after = self.snapshot()
+        self.trace(f"  {what}: {outcome}")
+        if not outcome.startswith("409"):
+            self.violations.append(f"I5: stale call {what} was not refused with a 409 ({outcome})")
+        self.violations += [f"{v} ({what})" for v in map(str, check_unchanged(before, after))]
+
+    # --- database ---------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        sid = self.sink_id
+        with self.engine.connect() as conn:
+            return Snapshot(
+                sinks=[repo._as_sink(r) for r in conn.execute(select(sinks).where(sinks.c.id == sid))],
+                checkpoints=[repo.as_checkpoint(r) for r in conn.execute(
+                    select(checkpoints).where(checkpoints.c.sink_id == sid).order_by(checkpoints.c.id))],
+                attempts=[repo.as_attempt(r) for r in conn.execute(
+                    select(attempts).where(attempts.c.sink_id == sid).order_by(attempts.c.id))],
+                leases=[repo.as_lease(r) for r in conn.execute(
+                    select(leases).where(leases.c.sink_id == sid).order_by(leases.c.id))],
+                transactional_ids=[repo.as_transactional_id(r) for r in conn.execute(
+                    select(transactional_ids).where(transactional_ids.c.sink_id == sid).order_by(transactional_ids.c.id))],
+                alerts=[Alert(r.id, r.sink_id, r.checkpoint_id, r.kind, r.at) for r in conn.execute(
+                    select(events.c.id, events.c.sink_id, events.c.checkpoint_id, events.c.kind, events.c.at)
+                    .where(events.c.sink_id == sid, events.c.kind.in_(repo.ALERT_KINDS)).order_by(events.c.id))],
+            )
+
+    def check_db(self, *, settled: bool, when: str) -> None:
+        snap = self.snapshot()
+        found = check_invariants(snap, settled=settled)
+        if self._last_snapshot is not None:
+            found += check_committed_unchanged(self._last_snapshot, snap)
+        self._last_snapshot = snap
+        self.violations += [f"{v} [{when}]" for v in map(str, found)]
+
+    def cleanup(self) -> None:
+        sid = self.sink_id
+        if sid is None:
+            return
+        with self.engine.begin() as conn:
+            for table in (events, leases, transactional_ids, attempts, checkpoints, generations):
+                conn.execute(delete(table).where(table.c.sink_id == sid))
+            conn.execute(delete(sinks).where(sinks.c.id == sid))
+
+    # --- the schedule -------------------------------------------------------------------------
+
+    def run(self) -> ScheduleResult:
+        self._release_leadership()  # leadership is per database: no schedule inherits another's
+        n_replicas = 2 if self.faults.roll("two_replicas") else 1
+        if n_replicas == 2:
+            self.faults.fired("two_replicas")
+        self.replicas = [Replica(self, i) for i in range(n_replicas)]
+        try:
+            self._run()
+        finally:
+            for r in self.replicas:
+                r.coordinator.close()
+        return ScheduleResult(
+            self.seed, self.violations, self.faults.counts, self.faults.fired_list, self.lines,
+            self.n_batches, len(self.ckpt.commits),
+        )
+
+    def _run(self) -> None:
+        spec = SinkSpec(self.sink, self.prefix, "model:9092", [self.topic], transaction_timeout_ms=self.timeout_ms,
+                        commit_margin_ms=self.margin_ms)
+        sink, _ = self.client.call("register_sink", lambda c: c.register_sink(spec, "sim"))
+        self.sink_id = sink.id
+        self.trace(f"schedule seed {self.seed}: {self.n_batches} batches, {len(self.replicas)} replica(s), "
+                   f"inputs {[len(batch_input(self.seed, b)) for b in range(self.n_batches)]}")
+        runs = 0
+        while len(self.ckpt.commits) < self.n_batches and runs < MAX_DRIVER_RUNS + 2:
+            runs += 1
+            if runs > MAX_DRIVER_RUNS:  # the operator's last restart: faults off
+                self.faults.enabled = False
+            driver = Driver(self, runs)
+            try:
+                driver.run()
+            except DriverCrash:
+                if self.faults.roll("zombie_driver"):
+                    self.faults.fired("zombie_driver")
+                    self.pending_zombies.append(driver.zombie)
+            except (e.ProtocolError, ClientGaveUp, JobFailed) as exc:
+                # (database ids differ between runs: a protocol error is traced by its reason only)
+                why = exc.reason if isinstance(exc, e.ProtocolError) else f"{type(exc).__name__}: {exc}"
+                self.trace(f"driver {driver.run_id}: query failed ({why})")
+            self.advance(self.rng.randint(0, self.small_delay_ms))  # the restart takes a moment
+            self.check_db(settled=False, when=f"after driver run {runs}")
+        self.faults.enabled = False
+        self.quiesce()
+        self.check()
+
+    def quiesce(self) -> None:
+        """Recovery until nothing is left to finish; then past every timeout, and again."""
+        self._release_leadership()
+        for _ in range(6):
+            self.recovery_tick("quiesce", inject=False)
+            if not self.committing_batches():
+                break
+        self.trace("quiesce: clock moves past every transaction timeout")
+        self.advance(self.timeout_ms + self.margin_ms)
+        for _ in range(3):
+            self.recovery_tick("quiesce", inject=False)
+
+    def check(self) -> None:
+        # I1-I4 (and L1) on the settled database; I1's history half against the earlier snapshots
+        self.check_db(settled=True, when="after quiescence")
+        # I6: nothing left open under the sink's prefix
+        still_open = self.model.list_open(self.prefix + "-")
+        if still_open:
+            self.violations.append(f"I6: open transactions after recovery: {[self.local(t.transactional_id) for t in still_open]}")
+        # I7: the read_committed view holds exactly the records of Spark's committed batches
+        visible = Counter(self.model.read_committed(self.topic))
+        expected = Counter(r for b in sorted(self.ckpt.commits) for r in self.ckpt.offsets[b])
+        dup = sorted(r for r, n in visible.items() if n > 1)
+        missing = sorted(set(expected) - set(visible))
+        extra = sorted(set(visible) - set(expected))
+        if dup:
+            self.violations.append(f"I7: records visible more than once: {dup[:10]}")
+        if missing:
+            self.violations.append(f"I7: records of committed batches not visible: {missing[:10]}")
+        if extra:
+            self.violations.append(f"I7: records of uncommitted batches visible: {extra[:10]}")
+        if len(self.ckpt.commits) < self.n_batches:
+            self.violations.append(f"LIVENESS: only {sorted(self.ckpt.commits)} of {self.n_batches} batches committed "
+                                   "after the final fault-free restart")
+        self.trace(f"end: spark committed {sorted(self.ckpt.commits)}, {sum(visible.values())} records visible")
+
+
+_hooked: set[int] = set()
+
+
+def prepare_engine(engine: Engine) -> None:
+    """Install the statement hook through which faults fire inside the coordinator's operations."""
+    if id(engine) in _hooked:
+        return
+    _hooked.add(id(engine))
+
+    def before(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        sim = _current.get("sim")
+        if sim is not None:
+            sim.injector.on_statement()
+
+    event.listen(engine, "before_cursor_execute", before)
+
+
+_current: dict[str, Sim | None] = {"sim": None}
+
+
+def run_schedules(engine: Engine, seeds: range | list[int], config: FaultConfig | None = None,
+                  progress: Callable[[int, ScheduleResult], None] | None = None) -> list[ScheduleResult]:
+    prepare_engine(engine)
+    out = []
+    for i, seed in enumerate(seeds):
+        out.append(run_one(engine, seed, config))
+        if progress is not None:
+            progress(i, out[-1])
+    return out
+
+
+def run_one(engine: Engine, seed: int, config: FaultConfig | None = None, **kw: Any) -> ScheduleResult:
+    """Run one schedule (keep_on_failure=False deletes its rows even when it failed)."""
+    prepare_engine(engine)
+    try:
+        return _run_with_current(engine, seed, config, **kw)
+    finally:
+        _current["sim"] = None
+
+
+def _run_with_current(engine: Engine, seed: int, config: FaultConfig | None, **kw: Any) -> ScheduleResult:
+    keep = kw.pop("keep_on_failure", True)
+    sim = Sim(seed, engine, config, **kw)
+    _current["sim"] = sim
+    try:
+        result = sim.run()
+    except Exception as exc:  # noqa: BLE001 - a crash of the simulation itself is a finding
+        import traceback
+
+        sim.violations.append(f"SIM: {type(exc).__name__}: {exc}")
+        sim.trace(traceback.format_exc()[-3000:])
+        result = ScheduleResult(seed, sim.violations, sim.faults.counts, sim.faults.fired_list, sim.lines,
+                                sim.n_batches, len(sim.ckpt.commits))
+    if result.ok or not keep:
+        sim.cleanup()
+    return result

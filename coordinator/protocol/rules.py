@@ -344,11 +344,6 @@ def batch_duration_warning(
     return None
 
 
-def lease_expired(lease: Lease, now: datetime) -> bool:
-    """A lease never pre-committed whose transaction the broker has certainly aborted by now."""
-    return lease.state is LeaseState.LEASED and now >= lease.deadline_at
-
-
 def transaction_age_fraction(lease: Lease, now: datetime, transaction_timeout_ms: int) -> float:
     age = (now - lease.leased_at) / timedelta(milliseconds=1)
     return age / transaction_timeout_ms

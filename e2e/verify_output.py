@@ -98,7 +98,7 @@ def wait_until_no_open_transactions(bootstrap_servers: str, prefix: str, timeout
         time.sleep(2.0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m e2e.verify_output", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -112,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-timeout-s", type=float, default=180.0)
     p.add_argument("--dump", type=Path, help="also write what was read to this file (JSON lines)")
     p.add_argument("--json", action="store_true", help="print the verdict as JSON too")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.total_records < 0:
         p.error("--total-records must be >= 0")

@@ -48,7 +48,8 @@ def docker_engine_problem() -> str | None:
     except subprocess.TimeoutExpired:
         return "`docker info` timed out: no Docker engine answers"
     if info.returncode != 0:
-        return f"no Docker engine: `docker info` failed ({(info.stderr or info.stdout).strip().splitlines()[-1:]})"
+        said = (info.stderr or info.stdout).strip().splitlines()
+        return f"no Docker engine: `docker info` failed ({said[-1] if said else f'exit {info.returncode}'})"
     compose = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30)
     if compose.returncode != 0:
         return "the docker compose plugin is missing (`docker compose version` failed)"
@@ -158,11 +159,11 @@ def test_exactly_once_through_driver_executor_coordinator_and_broker_kills(stack
     s = stack
     rng = random.Random(int(s.env["E2E_SEED"]))
     s.compose("build", timeout=1800)
-    # up -d waits for every depends_on condition: postgres and the brokers healthy, the topic
-    # created, migrations run once, both replicas ready, then nginx
-    s.compose("up", "-d", "coordinator", timeout=900)
+    # up -d waits for every depends_on condition: postgres and the brokers healthy, migrations
+    # run once, both replicas ready, then nginx; the topic created
+    s.compose("up", "-d", "coordinator", "kafka-init", timeout=900)
     s.wait_healthy("coordinator")
-    s.compose("up", "-d", "--no-deps", "spark-job")
+    s.compose("up", "-d", "spark-job", timeout=600)  # its dependencies are up: only the job starts
     s.note("job started")
 
     kinds = ["driver", "executor", "coordinator", "broker"]

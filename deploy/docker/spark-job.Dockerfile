@@ -17,6 +17,8 @@ RUN pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/venv/bin/pip install "${WHEEL}[spark]"
 
 FROM python:3.11-slim-bookworm
+# not pinned to Debian revisions (DL3008): bookworm's security updates replace them
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends openjdk-17-jre-headless procps \
  && rm -rf /var/lib/apt/lists/*

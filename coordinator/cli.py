@@ -57,7 +57,10 @@ def serve(args: argparse.Namespace) -> int:
     elif settings.admin_token is None:
         print("coordinator: COORDINATOR_ADMIN_TOKEN must be set when COORDINATOR_DATABASE_URL is", file=sys.stderr)
         return 2
-    migrate(url)
+    if settings.migrate_on_start:
+        migrate(url)
+    else:
+        log.warning("COORDINATOR_MIGRATE_ON_START=false: not migrating; /readyz stays 503 until `coordinator migrate` ran")
     log.warning("serving on http://%s:%d (OpenAPI at /openapi.json)", host, port)
     uvicorn.run(
         "coordinator.app:create_app_from_env",

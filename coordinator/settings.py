@@ -20,6 +20,10 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     workers: int = Field(1, ge=1, le=64)
+    # `coordinator serve` applies the migrations before serving. Deployments with several replicas
+    # set false and run `coordinator migrate` once (a compose service, a Kubernetes Job); until
+    # then /readyz answers 503 schema_not_current.
+    migrate_on_start: bool = True
     # Required with an external database. Unset with the embedded one: generated once and kept
     # in data_dir/admin-token.
     admin_token: SecretStr | None = None

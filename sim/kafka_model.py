@@ -217,8 +217,12 @@ class KafkaModel:
         partition: records below the last stable offset whose transaction committed (every
         transaction with a record below the LSO is decided: its marker follows somewhere in the
         log); records of aborted transactions are dropped."""
+        return [entry.value or "" for _, entry in self.read_committed_entries(topic)]
+
+    def read_committed_entries(self, topic: str) -> list[tuple[int, LogEntry]]:
+        """`read_committed` with each record's partition and log entry (offset, producer id)."""
         self.expire()
-        out: list[str] = []
+        out: list[tuple[int, LogEntry]] = []
         for (t, p) in sorted(self.logs):
             if t != topic:
                 continue
@@ -232,7 +236,7 @@ class KafkaModel:
                 else:
                     for offset in waiting.pop(entry.producer_id, []):
                         fate[offset] = entry.marker
-            out.extend(entry.value or "" for entry in log[:lso]
+            out.extend((p, entry) for entry in log[:lso]
                        if entry.marker is None and fate.get(entry.offset) == "COMMIT")
         return out
 

@@ -494,6 +494,12 @@ def run_schedules(engine: Engine, seeds: range | list[int], config: FaultConfig 
 
 def run_one(engine: Engine, seed: int, config: FaultConfig | None = None, **kw: Any) -> ScheduleResult:
     """Run one schedule (keep_on_failure=False deletes its rows even when it failed)."""
+    return run_and_keep(engine, seed, config, **kw)[0]
+
+
+def run_and_keep(engine: Engine, seed: int, config: FaultConfig | None = None, **kw: Any) -> tuple[ScheduleResult, Sim]:
+    """`run_one`, also returning the finished Sim: its Kafka model (the output topic) and Spark's
+    checkpoint location (which batches committed), for checks of the output from outside."""
     prepare_engine(engine)
     try:
         return _run_with_current(engine, seed, config, **kw)
@@ -501,7 +507,7 @@ def run_one(engine: Engine, seed: int, config: FaultConfig | None = None, **kw: 
         _current["sim"] = None
 
 
-def _run_with_current(engine: Engine, seed: int, config: FaultConfig | None, **kw: Any) -> ScheduleResult:
+def _run_with_current(engine: Engine, seed: int, config: FaultConfig | None, **kw: Any) -> tuple[ScheduleResult, Sim]:
     keep = kw.pop("keep_on_failure", True)
     sim = Sim(seed, engine, config, **kw)
     _current["sim"] = sim
@@ -516,4 +522,4 @@ def _run_with_current(engine: Engine, seed: int, config: FaultConfig | None, **k
                                 sim.n_batches, len(sim.ckpt.commits))
     if result.ok or not keep:
         sim.cleanup()
-    return result
+    return result, sim

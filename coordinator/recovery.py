@@ -33,6 +33,7 @@ from typing import Any
 from sqlalchemy import Engine, text
 
 from . import metrics
+from .broker import record_lso_lag
 from .service import Coordinator
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,10 @@ class RecoveryLoop:
             r.warned = [x.transactional_id for x in new]
 
         def sweep() -> None:
-            out = c.sweep_lingering(name)
+            try:
+                out = c.sweep_lingering(name)
+            finally:
+                record_lso_lag(c, name)  # the partitions' lag gauges (never raises)
             r.lingering_found = [t.transactional_id for t in out.found]
             r.lingering_aborted = out.aborted
             if out.failed:

@@ -34,6 +34,7 @@ from sqlalchemy import Engine, text
 
 from . import metrics
 from .broker import record_lso_lag
+from .kafka_control import ControlPlaneError
 from .service import Coordinator
 
 log = logging.getLogger(__name__)
@@ -232,8 +233,11 @@ class RecoveryLoop:
         def sweep() -> None:
             try:
                 out = c.sweep_lingering(name)
-            finally:
-                record_lso_lag(c, name)  # the partitions' lag gauges (never raises)
+            except ControlPlaneError as exc:
+                if not exc.retriable:  # e.g. no KIP-664: the broker still answers the lag observation
+                    record_lso_lag(c, name)
+                raise  # an unreachable broker: do not spend a second retry budget on the gauge
+            record_lso_lag(c, name)  # the partitions' lag gauges (never raises)
             r.lingering_found = [t.transactional_id for t in out.found]
             r.lingering_aborted = out.aborted
             if out.failed:

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import REPO_ROOT, ProtocolClient, ServiceProcess
 
 from coordinator.api import create_app
+from coordinator.clock import ManualClock
 from coordinator.kafka_control import PartitionStability, RecordingControlPlane
 from coordinator.service import Coordinator
 
@@ -217,3 +218,52 @@ def test_dashboard_uses_only_metrics_the_service_exports(service: ServiceProcess
                      "coordinator_recovery_iterations_total", "coordinator_recovery_errors_total",
                      "coordinator_http_request_duration_seconds_bucket"):
         assert required in used, f"no dashboard panel queries {required}"
+
+
+def test_recovery_loop_observes_the_lso_lag(coordinator: Coordinator, kafka: RecordingControlPlane) -> None:
+    """The leader observes every sink's partitions at each iteration (after its sweep), so the lag
+    gauge stays current without anyone calling the partitions endpoint."""
+    from prometheus_client import REGISTRY
+
+    from coordinator.recovery import RecoveryLoop
+    from coordinator.service import SinkSpec
+
+    coordinator.register_sink(SinkSpec("looped", "lp", "kafka:9092", ["events"]), "admin")
+    kafka.partitions = [PartitionStability("events", 3, 40, 33)]
+    loop = RecoveryLoop(coordinator, interval_ms=100, leader_ttl_ms=10_000)
+    try:
+        report = loop.run_once()
+        assert report.leader and report.sinks["looped"].errors == {}
+        lag = {"sink": "looped", "topic": "events", "partition": "3"}
+        assert REGISTRY.get_sample_value("coordinator_partition_lso_lag_records", lag) == 7
+        kafka.partitions = [PartitionStability("events", 3, 45, 45)]  # the transaction ended
+        loop.run_once()
+        assert REGISTRY.get_sample_value("coordinator_partition_lso_lag_records", lag) == 0
+    finally:
+        loop.stop()
+
+
+def test_commit_refused_by_the_timeout_gate_is_counted(coordinator: Coordinator, clock: ManualClock) -> None:
+    """Through the API in-process (the injected clock moves the winner into its commit margin):
+    the refusal is a deadline_refused outcome and a fenced request with its 409 reason."""
+    from prometheus_client import REGISTRY
+
+    app = create_app(coordinator, admin_token=ADMIN, token_secret=b"k")
+    sample = REGISTRY.get_sample_value
+    refused_before = sample("coordinator_checkpoint_outcomes_total", {"sink": "gated", "outcome": "deadline_refused"}) or 0
+    fenced_before = sample("coordinator_fenced_requests_total", {"reason": "transaction_deadline_too_close"}) or 0
+    aborts_before = sample("coordinator_abort_duration_seconds_count", {"sink": "gated"}) or 0
+    with TestClient(app) as http:
+        admin = ProtocolClient(http, ADMIN)
+        admin.register_sink("gated", "gt", transaction_timeout_ms=60_000, commit_margin_ms=10_000)
+        gen = admin.start_generation("gated", "q", "r")["generation"]
+        attempt = admin.begin("gated", 0, gen)["attempt"]
+        lease = admin.lease("gated", 0, attempt, gen, 0, task_attempt_id=1)
+        admin.precommit("gated", lease["lease_id"], gen, producer_id=5)
+        clock.advance(ms=55_000)  # 5 s left: inside the 10 s margin
+        refused = admin.commit("gated", 0, attempt, gen, {0: lease["lease_id"]}, expect=409)
+    assert refused["error"]["reason"] == "transaction_deadline_too_close"
+    assert sample("coordinator_checkpoint_outcomes_total", {"sink": "gated", "outcome": "deadline_refused"}) == refused_before + 1
+    assert sample("coordinator_fenced_requests_total", {"reason": "transaction_deadline_too_close"}) == fenced_before + 1
+    assert sample("coordinator_abort_duration_seconds_count", {"sink": "gated"}) == aborts_before + 1  # its transaction
+    assert sample("coordinator_checkpoint_outcomes_total", {"sink": "gated", "outcome": "committed"}) is None

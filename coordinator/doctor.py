@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import Engine, select, text
+from sqlalchemy import Engine, create_engine, select, text
 
 from .kafka_control import BrokerCheck, KafkaTarget
 from .settings import Settings
@@ -66,14 +66,15 @@ def check_database(url: str | None) -> tuple[list[Finding], Engine | None]:
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
-    from .store.db import alembic_config, make_engine
+    from .store.db import alembic_config, sqlalchemy_url
 
     if url is None:
         return [Finding("database", "database", WARN,
                         "not checked: no --database-url given and COORDINATOR_DATABASE_URL is not set "
                         "(registered sinks cannot be listed either)",
                         "pass --database-url postgresql://user:pass@host:5432/db (the URL the service uses)")], None
-    engine = make_engine(url, pool_size=1)
+    # a short connect timeout: an unreachable (black-holed) host is a verdict, not a hang
+    engine = create_engine(sqlalchemy_url(url), pool_size=1, connect_args={"connect_timeout": 10})
     where = engine.url.render_as_string(hide_password=True)
     try:
         with engine.connect() as conn:

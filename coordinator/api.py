@@ -90,6 +90,8 @@ def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: byte
         "and operator actions, a sink's writer token for its protocol calls.",
     )
     app.state.coordinator = coordinator
+    app.add_middleware(metrics.HttpMetricsMiddleware)
+    database_metrics = metrics.database_registry(coordinator.engine)
     cache = _SinkTokenCache()
 
     # --- errors ------------------------------------------------------------------------------
@@ -97,6 +99,8 @@ def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: byte
     @app.exception_handler(e.ProtocolError)
     async def protocol_error(_: Request, exc: e.ProtocolError) -> JSONResponse:
         body = exc.to_dict()
+        if exc.status == 409:
+            metrics.request_fenced(exc.reason)
         field = exc.detail.get("field")
         if isinstance(exc, e.Invalid) and isinstance(field, str) and "fields" not in exc.detail:
             # every 422 names its fields in one shape, whether pydantic or the service refused
@@ -166,8 +170,8 @@ def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: byte
 
     @app.get("/metrics", tags=["health"], response_class=Response)
     def prometheus_metrics() -> Response:
-        """Prometheus metrics of this process (coordinator/metrics.py)."""
-        body, content_type = metrics.render()
+        """Prometheus metrics of this process and of the database's state (coordinator/metrics.py)."""
+        body, content_type = metrics.render(database_metrics)
         return Response(content=body, media_type=content_type)
 
     # --- sinks -------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ The second half is the thin glue the HTTP API uses for on-demand checks: `check_
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
+from . import metrics
 from .kafka_control import (
     BrokerCheck,
     ControlPlaneError,
@@ -46,6 +48,8 @@ from .store.tables import leases, transactional_ids
 
 if TYPE_CHECKING:
     from .service import Coordinator
+
+log = logging.getLogger(__name__)
 
 # states in which the broker itself is finishing the transaction: aborting them is pointless
 # (InitProducerId answers CONCURRENT_TRANSACTIONS until the broker is done)
@@ -254,6 +258,7 @@ def observe_partitions(coordinator: Coordinator, name: str, watch: PartitionWatc
         current = plane.partition_stability(target, topics)
     except ControlPlaneError as exc:
         raise e.Unavailable("kafka_unavailable", f"could not observe the sink's partitions: {exc}", code=exc.code) from exc
+    metrics.partitions_observed(name, current)
     stuck = watch.observe(name, current, min_stall_s=min_stall_s)
     notes = []
     if not topics:
@@ -269,3 +274,13 @@ def observe_partitions(coordinator: Coordinator, name: str, watch: PartitionWatc
     else:
         blocking = []
     return PartitionReport(current, stuck, blocking, notes)
+
+
+def record_lso_lag(coordinator: Coordinator, name: str) -> None:
+    """Observe the sink's partitions and set their last-stable-offset lag gauges (the recovery
+    loop calls this every iteration). Best effort: a failure is logged, never raised."""
+    try:
+        plane, target, sink = _plane_and_target(coordinator, name)
+        metrics.partitions_observed(name, plane.partition_stability(target, list(sink.topics)))
+    except Exception as exc:  # noqa: BLE001 - the gauge is an observation, not a step of recovery
+        log.debug("could not observe the partitions of sink %s for the lag gauge: %s", name, exc)

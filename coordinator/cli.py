@@ -1,14 +1,26 @@
-"""The `coordinator` command: `serve` runs the service, `migrate` applies schema migrations."""
+"""The `coordinator` command.
+
+  serve, migrate        run the service; apply schema migrations
+  doctor                check the database, migrations, Kafka and the sinks' settings (coordinator/doctor.py)
+  sinks, checkpoints, transactions, commit, abort, acknowledge
+                        operator commands against a running coordinator (HTTP, admin token)
+  kafka abort-transaction, kafka commit-transaction
+                        act on one Kafka transaction directly, outside the coordinator's bookkeeping
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import secrets
 import signal
 import sys
+from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from .settings import Settings
 
@@ -89,9 +101,209 @@ def migrate_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- doctor ------------------------------------------------------------------------------------
+
+
+def doctor_cmd(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    settings = Settings()
+    url = args.database_url or settings.database_url
+    adhoc = None
+    if args.bootstrap_servers or args.prefix:
+        if not (args.bootstrap_servers and args.prefix):
+            print("coordinator doctor: --bootstrap-servers and --prefix go together (a sink not registered yet)",
+                  file=sys.stderr)
+            return 2
+        adhoc = doctor.SinkUnderCheck(args.sink or "unregistered", args.bootstrap_servers, args.prefix,
+                                      args.transaction_timeout_ms, args.commit_margin_ms, registered=False)
+    findings = doctor.run(database_url=url, adhoc=adhoc, only_sink=None if adhoc else args.sink,
+                          settings=settings, request_timeout_ms=args.kafka_timeout_ms)
+    if args.json:
+        print(json.dumps([f.to_dict() for f in findings], indent=2))
+    else:
+        for f in findings:
+            print(f"[{f.verdict:4}] {f.scope} / {f.check}: {f.detail}")
+            if f.fix and f.verdict != doctor.OK:
+                print(f"       fix: {f.fix}")
+        fails = sum(f.verdict == doctor.FAIL for f in findings)
+        warns = sum(f.verdict == doctor.WARN for f in findings)
+        print(f"{len(findings)} checks: {len(findings) - fails - warns} ok, {warns} warn, {fails} fail")
+    return doctor.exit_code(findings)
+
+
+# --- operator commands over HTTP ------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+class AdminApi:
+    """The few REST API v1 calls the operator commands make, with the admin token."""
+
+    def __init__(self, url: str, token: str, timeout_s: float = 60.0) -> None:
+        import httpx
+
+        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s,
+                                 headers={"Authorization": f"Bearer {token}"})
+
+    def call(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
+        import httpx
+
+        try:
+            resp = self.http.request(method, path, json=body, params={k: v for k, v in params.items() if v is not None})
+        except httpx.HTTPError as exc:
+            raise ApiError(0, "unreachable", f"{method} {self.http.base_url}{path}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            try:
+                err = resp.json()["error"]
+                raise ApiError(resp.status_code, err["reason"], err["message"])
+            except (ValueError, KeyError, TypeError):
+                raise ApiError(resp.status_code, f"http_{resp.status_code}", resp.text[:500]) from None
+        return resp.json()
+
+
+def _api(args: argparse.Namespace) -> AdminApi:
+    url = args.url or os.environ.get("COORDINATOR_URL") or "http://127.0.0.1:8000"
+    token = args.token or os.environ.get("COORDINATOR_ADMIN_TOKEN")
+    if not token:
+        raise ApiError(0, "no_token", "give --token or set COORDINATOR_ADMIN_TOKEN (the coordinator's admin token)")
+    return AdminApi(url, token)
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    if not rows:
+        return "(none)"
+    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _parse_time(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def sinks_cmd(args: argparse.Namespace) -> tuple[Any, str]:
+    data = _api(args).call("GET", "/v1/sinks")
+    rows = [{**s, "topics": ",".join(s["topics"]), "halted": "HALTED" if s["halted"] else ""} for s in data]
+    return data, _table(rows, ["name", "transactional_id_prefix", "bootstrap_servers", "topics",
+                               "transaction_timeout_ms", "generation", "halted"])
+
+
+def checkpoints_cmd(args: argparse.Namespace) -> tuple[Any, str]:
+    data = _api(args).call("GET", f"/v1/sinks/{args.sink}/checkpoints", state=args.state, limit=args.limit)
+    return data, _table(data, ["batch_id", "state", "current_attempt", "committed_attempt", "created_at",
+                               "committed_at", "lost_reason"])
+
+
+def transactions_cmd(args: argparse.Namespace) -> tuple[Any, str]:
+    data = _api(args).call("GET", f"/v1/sinks/{args.sink}/transactions/open")
+    now = datetime.now(timezone.utc)
+    rows = []
+    for x in data:
+        leased, deadline = _parse_time(x["leased_at"]), _parse_time(x["deadline_at"])
+        age_s = (now - leased).total_seconds()
+        timeout_s = (deadline - leased).total_seconds()
+        x["age_s"] = round(age_s, 1)
+        x["timeout_s"] = round(timeout_s, 1)
+        x["age_pct"] = round(100 * age_s / timeout_s) if timeout_s > 0 else None
+        rows.append(x)
+    return data, _table(rows, ["lease_id", "partition", "transactional_id", "state", "producer_id", "producer_epoch",
+                               "records", "age_s", "timeout_s", "age_pct"])
+
+
+def commit_cmd(args: argparse.Namespace) -> tuple[Any, str]:
+    data = _api(args).call("POST", f"/v1/sinks/{args.sink}/checkpoints/{args.batch_id}/resume")
+    text_ = (f"batch {data['batch_id']}: {data['state']} by attempt {data['attempt']}; "
+             f"{len(data['committed'])} partition(s) committed, {len(data['aborted'])} transaction(s) aborted, "
+             f"{len(data['abort_pending'])} abort(s) pending")
+    return data, "\n".join([text_, *data.get("warnings", [])])
+
+
+def abort_cmd(args: argparse.Namespace) -> tuple[Any, str]:
+    data = _api(args).call("POST", f"/v1/sinks/{args.sink}/checkpoints/{args.batch_id}/attempts/{args.attempt}/abort",
+                           {"reason": args.reason})
+    a = data["attempt"]
+    return data, (f"batch {args.batch_id} attempt {a['number']}: {a['state']}; "
+                  f"aborted {data['aborted'] or 'nothing'}; pending {data['abort_pending'] or 'nothing'}")
+
+
+def acknowledge_cmd(args: argparse.Namespace) -> tuple[Any, str]:
+    body = {"reason": args.reason, **({"operator": args.operator} if args.operator else {})}
+    data = _api(args).call("POST", f"/v1/sinks/{args.sink}/lost-data/acknowledge", body)
+    if data["acknowledged"]:
+        return data, f"sink {args.sink}: lost data acknowledged (lost batches {data['lost_batches']}); the halt is cleared"
+    return data, f"sink {args.sink} was not halted: nothing to acknowledge"
+
+
+def operator_cmd(fn: Callable[[argparse.Namespace], tuple[Any, str]]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            data, text_ = fn(args)
+        except ApiError as exc:
+            print(f"coordinator {args.command}: {exc.reason}: {exc.message}", file=sys.stderr)
+            return 1
+        print(json.dumps(data, indent=2) if args.json else text_)
+        return 0
+
+    return run
+
+
+# --- direct Kafka transactions (FLINK-39218) ----------------------------------------------------------
+
+
+def _confirm(args: argparse.Namespace, action: str) -> bool:
+    if args.yes:
+        return True
+    print(f"This will {action} on {args.bootstrap_servers}, outside the coordinator's bookkeeping: the coordinator "
+          "does not learn of it. Use it only for a transaction no running coordinator owns.", file=sys.stderr)
+    if not sys.stdin.isatty():
+        print("coordinator kafka: not confirmed (stdin is not a terminal); pass --yes to proceed", file=sys.stderr)
+        return False
+    return input("Type 'yes' to proceed: ").strip() == "yes"
+
+
+def kafka_cmd(args: argparse.Namespace) -> int:
+    from .kafka_control import ControlPlaneError, KafkaTarget, PreparedTransaction
+    from .kafka_wire import KafkaWireControlPlane
+
+    tid = args.transactional_id
+    if args.kafka_command == "abort-transaction":
+        action = f"abort whatever transaction {tid!r} holds (InitProducerId fences its producer)"
+    else:
+        action = f"commit transaction {tid!r} of producer id {args.producer_id} epoch {args.epoch} (EndTxn)"
+    if not _confirm(args, action):
+        return 2
+    settings = Settings()
+    plane = KafkaWireControlPlane(request_timeout_ms=args.timeout_ms, retry_budget_ms=args.timeout_ms * 3,
+                                  client_config=settings.kafka_options()["client_config"], client_id="coordinator-cli")
+    target = KafkaTarget("cli", args.bootstrap_servers, args.transaction_timeout_ms)
+    try:
+        if args.kafka_command == "abort-transaction":
+            plane.abort(target, tid)
+            print(f"aborted: {tid!r} is fenced and holds no open transaction")
+        else:
+            plane.commit(target, PreparedTransaction(tid, args.producer_id, args.epoch))
+            print(f"committed: transaction {tid!r} (producer id {args.producer_id}, epoch {args.epoch})")
+    except ControlPlaneError as exc:
+        kind = "retriable" if exc.retriable else "refused for good"
+        print(f"coordinator kafka {args.kafka_command}: {exc.code} ({kind}): {exc}", file=sys.stderr)
+        return 1
+    finally:
+        plane.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="coordinator", description=__doc__)
+    parser = argparse.ArgumentParser(prog="coordinator", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the service (embedded Postgres when COORDINATOR_DATABASE_URL is unset)")
@@ -106,7 +318,69 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--downgrade", metavar="REVISION", help="downgrade to this revision instead (e.g. base)")
     p.set_defaults(func=migrate_cmd)
 
+    p = sub.add_parser("doctor", help="check database, migrations, Kafka and sink settings; exit 1 on a failed check",
+                       description="Every check prints ok, warn or fail, and a fix when it is not ok. Without "
+                       "--bootstrap-servers it checks every sink registered in the database.")
+    p.add_argument("--database-url", help="default: COORDINATOR_DATABASE_URL")
+    p.add_argument("--sink", help="check only this registered sink (or name the unregistered one)")
+    p.add_argument("--bootstrap-servers", help="check a sink not registered yet: its Kafka bootstrap servers")
+    p.add_argument("--prefix", help="... its transactional_id_prefix")
+    p.add_argument("--transaction-timeout-ms", type=int, default=60_000, help="... its transaction timeout (60000)")
+    p.add_argument("--commit-margin-ms", type=int, help="... its commit margin")
+    p.add_argument("--kafka-timeout-ms", type=int, default=5_000, help="per Kafka request (5000)")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(func=doctor_cmd)
+
+    def operator(name: str, fn: Callable[[argparse.Namespace], tuple[Any, str]], help_: str) -> argparse.ArgumentParser:
+        q = sub.add_parser(name, help=help_)
+        q.add_argument("--url", help="the coordinator's URL (default: COORDINATOR_URL or http://127.0.0.1:8000)")
+        q.add_argument("--token", help="the admin token (default: COORDINATOR_ADMIN_TOKEN)")
+        q.add_argument("--json", action="store_true", help="print the API's JSON answer instead of a table")
+        q.set_defaults(func=operator_cmd(fn))
+        return q
+
+    operator("sinks", sinks_cmd, "list the registered sinks")
+    q = operator("checkpoints", checkpoints_cmd, "list a sink's checkpoints, newest first")
+    q.add_argument("sink")
+    q.add_argument("--state", choices=["OPEN", "COMMITTING", "COMMITTED", "LOST"])
+    q.add_argument("--limit", type=int, default=50)
+    q = operator("transactions", transactions_cmd, "list a sink's possibly open transactions, with age vs timeout")
+    q.add_argument("sink")
+    q = operator("commit", commit_cmd, "finish a decided commit (resume); answers from the record if finished")
+    q.add_argument("sink")
+    q.add_argument("batch_id", type=int)
+    q = operator("abort", abort_cmd, "abort an undecided attempt and its transactions")
+    q.add_argument("sink")
+    q.add_argument("batch_id", type=int)
+    q.add_argument("attempt", type=int)
+    q.add_argument("--reason", required=True, help="recorded in the event trail")
+    q = operator("acknowledge", acknowledge_cmd, "acknowledge a sink's lost data and clear its halt")
+    q.add_argument("sink")
+    q.add_argument("--reason", required=True, help="what was done about the lost batch (recorded)")
+    q.add_argument("--operator", help="who acknowledges (recorded)")
+
+    p = sub.add_parser("kafka", help="act on one Kafka transaction directly (outside the coordinator's bookkeeping)")
+    ksub = p.add_subparsers(dest="kafka_command", required=True)
+    for name, help_ in (("abort-transaction", "abort whatever transaction a transactional id holds"),
+                        ("commit-transaction", "commit a prepared transaction by transactional id, producer id, epoch")):
+        k = ksub.add_parser(name, help=help_)
+        k.add_argument("--bootstrap-servers", required=True)
+        k.add_argument("--transactional-id", required=True)
+        if name == "commit-transaction":
+            k.add_argument("--producer-id", type=int, required=True)
+            k.add_argument("--epoch", type=int, required=True)
+        k.add_argument("--transaction-timeout-ms", type=int, default=60_000,
+                       help="timeout of the producer that abort initialises on the id (60000)")
+        k.add_argument("--timeout-ms", type=int, default=10_000, help="per Kafka request (10000)")
+        k.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+        k.set_defaults(func=kafka_cmd)
+
     args = parser.parse_args(argv)
+    if args.command in ("serve", "migrate"):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    else:  # a tool's output is its verdicts; the Kafka client's connection logs would bury them
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("kafka").setLevel(logging.CRITICAL)
     return args.func(args)
 
 

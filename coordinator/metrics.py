@@ -1,18 +1,41 @@
 """The coordinator's Prometheus metrics, all in one place (served at /metrics).
 
-Counters are per process: with several replicas, sum them in Prometheus. The recovery loop's
-metrics come only from the replica that leads it (`coordinator_recovery_leader` is 1 there).
+Two kinds:
+- Event-derived counters and histograms, recorded where the event happens (commits, aborts,
+  refused requests, HTTP requests, the recovery loop). They are per process: with several
+  replicas, sum them in Prometheus. The recovery loop's come only from the replica that leads it
+  (`coordinator_recovery_leader` is 1 there).
+- State-derived gauges (open transactions, the oldest one's age, checkpoints by state), computed
+  from the database at scrape time by `DatabaseCollector`, so every replica reports the same
+  truth. They use the partial index on unresolved leases and the (sink, state) checkpoint index,
+  and are cached for `ttl_s` so a burst of scrapes costs one query.
+
+Names follow Prometheus conventions: counters end in `_total` (prometheus_client adds it to the
+names below), durations are histograms in `_seconds`.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
+    CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import Engine, text
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS_LOST = Counter(
     "coordinator_checkpoints_lost",
@@ -51,7 +74,8 @@ TRANSACTION_TIMEOUT_WARNINGS = Counter(
 )
 TRANSACTIONS_NEAR_TIMEOUT = Gauge(
     "coordinator_transactions_near_timeout",
-    "Pre-committed or committing transactions now past the warning fraction of their timeout",
+    "Pre-committed or committing transactions now past the warning fraction of their timeout "
+    "(set by the recovery loop's leader at each iteration)",
     ["sink"],
 )
 EXPIRED_LEASES_ABORTED = Counter(
@@ -68,7 +92,207 @@ RECOVERY_LEADER = Gauge("coordinator_recovery_leader", "1 while this process lea
 RECOVERY_ITERATIONS = Counter("coordinator_recovery_iterations", "Recovery loop iterations run as leader")
 RECOVERY_ERRORS = Counter("coordinator_recovery_errors", "Recovery loop steps that failed", ["step"])
 
+# --- protocol outcomes (recorded by service.py through the functions below) ----------------------
 
-def render() -> tuple[bytes, str]:
-    """The exposition text and its content type."""
-    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+CHECKPOINT_OUTCOMES = Counter(
+    "coordinator_checkpoint_outcomes",
+    "Checkpoint attempts ended, by outcome: committed (the checkpoint became COMMITTED), lost (Kafka "
+    "refused a decided commit), aborted (the driver or an operator aborted the attempt), "
+    "deadline_refused (the commit gate refused it: a winner was too close to its transaction timeout)",
+    ["sink", "outcome"],
+)
+# Kafka EndTxn / InitProducerId take milliseconds on a healthy cluster and up to the retry budget
+# (30 s by default) when the broker is unreachable.
+_KAFKA_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+COMMIT_DURATION = Histogram(
+    "coordinator_commit_duration_seconds",
+    "Time to finish a decided commit: every winner committed on Kafka by resume (in parallel) and "
+    "the result recorded, whatever the outcome",
+    ["sink"],
+    buckets=_KAFKA_BUCKETS,
+)
+ABORT_DURATION = Histogram(
+    "coordinator_abort_duration_seconds",
+    "Time to abort one transaction on Kafka (InitProducerId on its transactional id), whatever the outcome",
+    ["sink"],
+    buckets=_KAFKA_BUCKETS,
+)
+FENCED_REQUESTS = Counter(
+    "coordinator_fenced_requests",
+    "API calls refused with 409 because they are stale or contradict the record (they changed "
+    "nothing), by the answer's reason: stale_generation, stale_attempt, stale_lease, lineage_mismatch, ...",
+    ["reason"],
+)
+PARTITION_LSO_LAG = Gauge(
+    "coordinator_partition_lso_lag_records",
+    "High watermark minus last stable offset of a sink's output partition: records read_committed "
+    "consumers cannot read yet (an open transaction holds them), as last observed by this process",
+    ["sink", "topic", "partition"],
+)
+HTTP_DURATION = Histogram(
+    "coordinator_http_request_duration_seconds",
+    "HTTP request latency by method, route template (e.g. /v1/sinks/{name}/checkpoints/{batch_id}/begin) "
+    "and status code",
+    ["method", "route", "status"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+
+
+def checkpoint_outcome(sink: str, outcome: str) -> None:
+    CHECKPOINT_OUTCOMES.labels(sink, outcome).inc()
+
+
+def commit_finished(sink: str, seconds: float | None, *, committed: bool, lost: bool) -> None:
+    """One finishing of a decided commit: its duration (None: it had no winner left to commit on
+    Kafka), and the checkpoint's outcome if this call is the one that moved it to COMMITTED or
+    LOST (concurrent finishers count it once)."""
+    if seconds is not None:
+        COMMIT_DURATION.labels(sink).observe(seconds)
+    if committed:
+        CHECKPOINT_OUTCOMES.labels(sink, "committed").inc()
+    if lost:
+        CHECKPOINT_OUTCOMES.labels(sink, "lost").inc()
+
+
+def kafka_abort_finished(sink: str, seconds: float) -> None:
+    ABORT_DURATION.labels(sink).observe(seconds)
+
+
+def request_fenced(reason: str) -> None:
+    FENCED_REQUESTS.labels(reason).inc()
+
+
+def partitions_observed(sink: str, partitions: Iterable[Any]) -> None:
+    """Set the LSO lag of each observed partition (kafka_control.PartitionStability)."""
+    for p in partitions:
+        PARTITION_LSO_LAG.labels(sink, p.topic, str(p.partition)).set(max(0, p.high_watermark - p.last_stable_offset))
+
+
+# --- HTTP latency ------------------------------------------------------------------------------
+
+
+class HttpMetricsMiddleware:
+    """ASGI middleware: latency of every HTTP request by the matched route's path template (not
+    the raw path, which would make a series per batch id). Unmatched paths count as "<unmatched>"."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_with_status(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            route = scope.get("route")  # set by the router on this scope when a route matched
+            template = getattr(route, "path", None) or "<unmatched>"
+            HTTP_DURATION.labels(scope["method"], template, str(status["code"])).observe(time.perf_counter() - started)
+
+
+# --- state from the database, at scrape time -----------------------------------------------------
+
+_UNRESOLVED = "('LEASED', 'PRECOMMITTED', 'COMMITTING', 'ABORTING', 'LOST_ABORTING')"  # ix_leases_unresolved
+_OPEN_TRANSACTIONS = text(
+    f"""
+    SELECT s.name, l.state, count(*) AS n,
+           extract(epoch FROM now() - min(l.leased_at)) AS oldest_s
+      FROM leases l JOIN sinks s ON s.id = l.sink_id
+     WHERE l.state IN {_UNRESOLVED}
+     GROUP BY s.name, l.state
+    """
+)
+# checkpoints still in flight or needing attention; COMMITTED ones are counted by the outcome counter
+_CHECKPOINTS = text(
+    """
+    SELECT s.name, c.state, count(*) AS n
+      FROM checkpoints c JOIN sinks s ON s.id = c.sink_id
+     WHERE c.state IN ('OPEN', 'COMMITTING', 'LOST')
+     GROUP BY s.name, c.state
+    """
+)
+_SINKS = text("SELECT name FROM sinks")
+OPEN_STATES = ("LEASED", "PRECOMMITTED", "COMMITTING", "ABORTING", "LOST_ABORTING")
+CHECKPOINT_STATES = ("OPEN", "COMMITTING", "LOST")
+
+
+class DatabaseCollector(Collector):
+    """Gauges read from the database at scrape time (one per app, in its own registry)."""
+
+    def __init__(self, engine: Engine, ttl_s: float = 2.0) -> None:
+        self.engine = engine
+        self.ttl_s = ttl_s
+        self._cached: tuple[float, list[GaugeMetricFamily]] | None = None
+        self._lock = threading.Lock()
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []  # no describe-time query: the registry calls collect() only at scrape time
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._lock:
+            if self._cached is None or time.monotonic() - self._cached[0] >= self.ttl_s:
+                self._cached = (time.monotonic(), self._read())
+            families = self._cached[1]
+        yield from families
+
+    def _read(self) -> list[GaugeMetricFamily]:
+        up = GaugeMetricFamily("coordinator_database_up", "1 if the last scrape could read the database")
+        try:
+            with self.engine.connect() as conn:
+                sinks = list(conn.execute(_SINKS).scalars())
+                open_rows = conn.execute(_OPEN_TRANSACTIONS).all()
+                checkpoint_rows = conn.execute(_CHECKPOINTS).all()
+        except Exception:  # noqa: BLE001 - a scrape must answer even when the database does not
+            log.warning("metrics: could not read the database", exc_info=True)
+            up.add_metric([], 0)
+            return [up]
+        up.add_metric([], 1)
+        open_tx = GaugeMetricFamily(
+            "coordinator_open_transactions",
+            "Transactions that may be open on Kafka (unresolved leases), by sink and lease state",
+            labels=["sink", "state"],
+        )
+        oldest = GaugeMetricFamily(
+            "coordinator_oldest_open_transaction_age_seconds",
+            "Age of the sink's oldest unresolved lease (0 when none), by the database's clock",
+            labels=["sink"],
+        )
+        cps = GaugeMetricFamily(
+            "coordinator_checkpoints",
+            "Checkpoints now in flight or needing attention, by state (OPEN, COMMITTING, LOST)",
+            labels=["sink", "state"],
+        )
+        counts = {(r.name, r.state): r.n for r in open_rows}
+        ages: dict[str, float] = {}
+        for r in open_rows:
+            ages[r.name] = max(ages.get(r.name, 0.0), float(r.oldest_s or 0.0))
+        cp_counts = {(r.name, r.state): r.n for r in checkpoint_rows}
+        for sink in sorted(sinks):  # every state of every sink, zeros included, so series do not vanish
+            for state in OPEN_STATES:
+                open_tx.add_metric([sink, state], counts.get((sink, state), 0))
+            oldest.add_metric([sink], max(0.0, ages.get(sink, 0.0)))
+            for state in CHECKPOINT_STATES:
+                cps.add_metric([sink, state], cp_counts.get((sink, state), 0))
+        return [up, open_tx, oldest, cps]
+
+
+def render(extra: CollectorRegistry | None = None) -> tuple[bytes, str]:
+    """The exposition text (this process's metrics, then `extra`'s) and its content type."""
+    body = generate_latest(REGISTRY)
+    if extra is not None:
+        body += generate_latest(extra)
+    return body, CONTENT_TYPE_LATEST
+
+
+def database_registry(engine: Engine) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DatabaseCollector(engine))
+    return registry

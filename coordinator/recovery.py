@@ -33,6 +33,8 @@ from typing import Any
 from sqlalchemy import Engine, text
 
 from . import metrics
+from .broker import record_lso_lag
+from .kafka_control import ControlPlaneError
 from .service import Coordinator
 
 log = logging.getLogger(__name__)
@@ -229,7 +231,13 @@ class RecoveryLoop:
             r.warned = [x.transactional_id for x in new]
 
         def sweep() -> None:
-            out = c.sweep_lingering(name)
+            try:
+                out = c.sweep_lingering(name)
+            except ControlPlaneError as exc:
+                if not exc.retriable:  # e.g. no KIP-664: the broker still answers the lag observation
+                    record_lso_lag(c, name)
+                raise  # an unreachable broker: do not spend a second retry budget on the gauge
+            record_lso_lag(c, name)  # the partitions' lag gauges (never raises)
             r.lingering_found = [t.transactional_id for t in out.found]
             r.lingering_aborted = out.aborted
             if out.failed:

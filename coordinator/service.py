@@ -10,6 +10,7 @@ the stored pre-commit values, the decided winners).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -653,6 +654,7 @@ class Coordinator:
 
         checkpoint_id, decision, to_abort, refusal = self._tx(step)
         if refusal is not None:
+            metrics.checkpoint_outcome(name, "deadline_refused")
             self._abort_on_kafka(name, to_abort)
             raise refusal
         try:
@@ -738,6 +740,7 @@ class Coordinator:
         """Commit every decided winner on Kafka by resume, then mark the checkpoint COMMITTED.
         Safe to run concurrently with itself (driver resume and recovery loop): every write is a CAS."""
         sink, cp, attempt, pending = decision.sink, decision.checkpoint, decision.attempt, decision.winners
+        started = time.monotonic()
         if pending and self.control_plane is None:
             raise e.Unavailable(e.NO_CONTROL_PLANE, "no Kafka control plane configured to finish the commit")
         target = _target(sink)
@@ -804,6 +807,7 @@ class Coordinator:
                 (a,) = repo.cas(conn, attempts, [attempt.id], [AttemptState.COMMITTING], AttemptState.COMMITTED, finished_at=now)
                 (c,) = repo.cas(conn, checkpoints, [cp.id], [CheckpointState.COMMITTING], CheckpointState.COMMITTED, committed_at=now)
                 final_cp, final_attempt = repo.as_checkpoint(c), repo.as_attempt(a)
+                outcome["committed_now"] = True
                 repo.add_event(conn, sink.id, "checkpoint_committed", "coordinator", now, cp.id,
                                batch_id=cp.batch_id, attempt=attempt.number)
             elif locked.state is CheckpointState.COMMITTED:
@@ -812,6 +816,8 @@ class Coordinator:
 
         result = self._tx(record)
         final: Checkpoint = outcome["checkpoint"]
+        metrics.commit_finished(sink.name, time.monotonic() - started if pending else None,
+                                committed=outcome.get("committed_now", False), lost=outcome.get("became_lost", False))
         if newly_lost:  # counted after the transaction committed (it may have been retried)
             metrics.TRANSACTIONS_LOST.labels(sink.name).inc(len(newly_lost))
             metrics.SINK_HALTED.labels(sink.name).set(1)
@@ -905,21 +911,23 @@ class Coordinator:
     ) -> tuple[Attempt, AbortOutcome]:
         """Abort an undecided attempt (the driver gives up on it, or an operator does)."""
 
-        def step(conn: Connection) -> list[Lease]:
+        def step(conn: Connection) -> list[Lease] | None:
             sink = repo.sink_by_name(conn, name)
             if generation is not None:
                 rules.check_generation(sink.generation, generation)
             cp = repo.checkpoint_for(conn, sink, batch_id, lock=True)
             attempt = repo.attempt_of(conn, cp.id, attempt_number, lock="update")
             if attempt.state is AttemptState.ABORTED:
-                return []
+                return None  # a retry, or aborted earlier for another reason
             if attempt.state is not AttemptState.OPEN:
                 raise e.Conflict(e.COMMIT_DECIDED, f"attempt {attempt_number} is {attempt.state}; it can no longer be aborted")
             now = self.clock.now()
             return self._abort_attempt_rows(conn, sink, [attempt.id], reason, now, actor)
 
         to_abort = self._tx(step)
-        self._abort_on_kafka(name, to_abort)
+        if to_abort is not None:
+            metrics.checkpoint_outcome(name, "aborted")
+        self._abort_on_kafka(name, to_abort or [])
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             cp = repo.checkpoint_for(conn, sink, batch_id)
@@ -987,10 +995,13 @@ class Coordinator:
         target = _target(sink)
 
         def abort_one(lease: Lease) -> ControlPlaneError | None:
+            started = time.monotonic()
             try:
                 control_plane.abort(target, lease.transactional_id)
             except ControlPlaneError as exc:
                 return exc
+            finally:
+                metrics.kafka_abort_finished(sink.name, time.monotonic() - started)
             return None
 
         errors = self._parallel(abort_one, list(to_abort))

@@ -1,0 +1,141 @@
+"""The operator commands (`coordinator sinks|checkpoints|transactions|commit|abort|acknowledge`)
+end to end: the command in a subprocess (`python -m coordinator.cli`) against a real uvicorn
+service process. And `coordinator kafka commit-transaction|abort-transaction` against the Tansu
+broker (a Kafka wire-protocol stand-in: these tests read the transaction markers it writes, not
+read_committed visibility)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kafka_broker import TansuBroker, partition_log, run_transactional_producer, tansu  # noqa: F401 - fixtures
+from servers import REPO_ROOT, ServiceProcess, clean_env
+
+ADMIN = "cli-admin-token-51be"
+
+
+def run(*args: str, url: str | None = None, token: str | None = ADMIN, stdin: str | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    env = clean_env(COORDINATOR_URL=url, COORDINATOR_ADMIN_TOKEN=token)
+    return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, input=stdin)
+
+
+@pytest.fixture
+def service(database_url: str, tmp_path: Path) -> Iterator[ServiceProcess]:
+    with ServiceProcess(database_url, ADMIN, tmp_path) as svc:
+        yield svc
+
+
+def test_operator_commands_against_a_running_service(service: ServiceProcess) -> None:
+    admin = service.client(ADMIN)
+    try:
+        writer = admin.with_token(admin.register_sink("orders", "ord", topics=["out"])["writer_token"])
+        gen = writer.start_generation("orders", "q", "r")["generation"]
+        a0 = writer.begin("orders", 0, gen)["attempt"]
+        lease0 = writer.lease("orders", 0, a0, gen, 0, task_attempt_id=1)
+        writer.precommit("orders", lease0["lease_id"], gen, producer_id=11)
+        writer.commit("orders", 0, a0, gen, {0: lease0["lease_id"]})
+        a1 = writer.begin("orders", 1, gen)["attempt"]
+        open_lease = writer.lease("orders", 1, a1, gen, 0, task_attempt_id=2)
+        writer.precommit("orders", open_lease["lease_id"], gen, producer_id=12, records=7)
+    finally:
+        admin.close()
+    url = service.url
+
+    out = run("sinks", url=url)
+    assert out.returncode == 0, out.stderr
+    header, row = out.stdout.splitlines()
+    assert header.split()[:3] == ["name", "transactional_id_prefix", "bootstrap_servers"]
+    assert row.split()[:2] == ["orders", "ord"]
+    assert [s["name"] for s in json.loads(run("sinks", "--json", url=url).stdout)] == ["orders"]
+
+    out = run("checkpoints", "orders", url=url)
+    assert out.returncode == 0, out.stderr
+    states = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()[1:]}
+    assert states == {"1": "OPEN", "0": "COMMITTED"}
+    committed = json.loads(run("checkpoints", "orders", "--state", "COMMITTED", "--json", url=url).stdout)
+    assert [c["batch_id"] for c in committed] == [0]
+
+    out = run("transactions", "orders", url=url)
+    assert out.returncode == 0, out.stderr
+    header, row = out.stdout.splitlines()
+    assert header.split() == ["lease_id", "partition", "transactional_id", "state", "producer_id", "producer_epoch",
+                              "records", "age_s", "timeout_s", "age_pct"]
+    cells = row.split()
+    assert cells[2] == open_lease["transactional_id"] and cells[3] == "PRECOMMITTED" and cells[6] == "7"
+    assert cells[8] == "60.0" and 0 <= float(cells[7]) < 60  # age vs the 60 s timeout
+
+    out = run("commit", "orders", "0", url=url)  # finished already: answered from the record
+    assert out.returncode == 0 and out.stdout.startswith("batch 0: COMMITTED by attempt 1; 1 partition(s) committed")
+    out = run("commit", "orders", "1", url=url)  # nothing decided: the API's reason and message, exit 1
+    assert out.returncode == 1 and out.stdout == ""
+    assert "coordinator commit: not_committing: batch 1 has no decided commit to resume" in out.stderr
+
+    out = run("abort", "orders", "1", str(a1), "--reason", "executor stuck", url=url)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"batch 1 attempt {a1}: ABORTED; aborted ['{open_lease['transactional_id']}']")
+    assert run("transactions", "orders", url=url).stdout.strip() == "(none)"
+    admin = service.client(ADMIN)
+    try:
+        events = admin.request("GET", "/v1/sinks/orders/events?batch_id=1")
+    finally:
+        admin.close()
+    assert [e["detail"]["reason"] for e in events if e["kind"] == "attempt_aborted"] == ["executor stuck"]
+
+    out = run("acknowledge", "orders", "--reason", "checked", "--operator", "alice", url=url)
+    assert out.returncode == 0 and "was not halted: nothing to acknowledge" in out.stdout
+
+    out = run("checkpoints", "nosuch", url=url)
+    assert out.returncode == 1 and out.stderr == "coordinator checkpoints: unknown_sink: no sink named 'nosuch'\n"
+    out = run("sinks", url=url, token="wrong-token")
+    assert out.returncode == 1 and "coordinator sinks: forbidden: this action needs the admin token" in out.stderr
+    out = run("sinks", url=url, token=None)
+    assert out.returncode == 1 and "COORDINATOR_ADMIN_TOKEN" in out.stderr
+
+
+# --- kafka commit-transaction / abort-transaction ---------------------------------------------------
+
+
+def test_kafka_commit_transaction_by_producer_id_and_epoch(tansu: TansuBroker) -> None:
+    topic = tansu.create_topic(1)
+    stats = run_transactional_producer(tansu.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic, records=4)
+    assert partition_log(tansu.bootstrap, topic, 0).has_open_transaction
+    base = ["kafka", "commit-transaction", "--bootstrap-servers", tansu.bootstrap,
+            "--transactional-id", stats.transactional_id, "--producer-id", str(stats.producer_id),
+            "--epoch", str(stats.producer_epoch)]
+
+    refused = run(*base, stdin="")  # no --yes and no terminal: nothing is done
+    assert refused.returncode == 2 and "pass --yes" in refused.stderr
+    assert partition_log(tansu.bootstrap, topic, 0).markers(stats.producer_id) == []
+
+    out = run(*base, "--yes")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"committed: transaction '{stats.transactional_id}'")
+    after = partition_log(tansu.bootstrap, topic, 0)
+    assert after.markers(stats.producer_id) == ["commit"] and not after.has_open_transaction
+
+
+def test_kafka_abort_transaction_by_transactional_id(tansu: TansuBroker) -> None:
+    topic = tansu.create_topic(1)
+    stats = run_transactional_producer(tansu.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic)
+    out = run("kafka", "abort-transaction", "--bootstrap-servers", tansu.bootstrap,
+              "--transactional-id", stats.transactional_id, "--yes")
+    assert out.returncode == 0, out.stderr
+    after = partition_log(tansu.bootstrap, topic, 0)
+    assert after.markers(stats.producer_id) == ["abort"] and not after.has_open_transaction
+
+
+def test_kafka_commit_with_a_wrong_epoch_is_refused(tansu: TansuBroker) -> None:
+    topic = tansu.create_topic(1)
+    stats = run_transactional_producer(tansu.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic)
+    out = run("kafka", "commit-transaction", "--bootstrap-servers", tansu.bootstrap, "--transactional-id",
+              stats.transactional_id, "--producer-id", "-1", "--epoch", "0", "--yes")
+    assert out.returncode == 1 and "invalid_producer_id (refused for good)" in out.stderr
+    assert partition_log(tansu.bootstrap, topic, 0).markers(stats.producer_id) == []

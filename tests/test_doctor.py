@@ -1,0 +1,173 @@
+"""`coordinator doctor` against a reachable broker, an unreachable one, a timeout misconfiguration,
+a database behind its migrations and an unreachable database -- each with its verdict and exit code.
+
+The broker is Tansu, a Kafka wire-protocol stand-in (tests/kafka_broker.py): enough for
+reachability, advertised listeners, ApiVersions and DescribeConfigs. It lacks KIP-664
+ListTransactions (so the prefix check is a warning: unverifiable) and does not report
+transaction.max.timeout.ms, which the fault-injecting proxy answers with a recorded
+DescribeConfigs response, as a real broker would.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from kafka_broker import KafkaFaultProxy, TansuBroker, faulty, free_port, proxied, tansu  # noqa: F401 - fixtures
+from servers import REPO_ROOT, clean_env
+from test_broker_wire import DESCRIBE_CONFIGS, broker_config_answer
+
+from coordinator import cli
+from coordinator.service import Coordinator, SinkSpec
+from coordinator.store.db import downgrade
+
+
+def doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[tuple[str, str], dict[str, Any]]]:
+    code = cli.main(["doctor", "--json", "--kafka-timeout-ms", "2000", *args])
+    findings = json.loads(capsys.readouterr().out)
+    by_key = {(f["scope"], f["check"]): f for f in findings}
+    assert len(by_key) == len(findings), findings
+    return code, by_key
+
+
+def verdicts(found: dict[tuple[str, str], dict[str, Any]]) -> dict[tuple[str, str], str]:
+    return {k: f["verdict"] for k, f in found.items()}
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("COORDINATOR_DATABASE_URL", "COORDINATOR_RESTART_BUDGET_MS", "COORDINATOR_BROKER_MAX_TRANSACTION_TIMEOUT_MS"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def prefix() -> str:
+    return f"pfx{uuid.uuid4().hex[:8]}"
+
+
+def test_reachable_broker_and_current_database(tansu: TansuBroker, database_url: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code, found = doctor(capsys, "--database-url", database_url, "--bootstrap-servers", tansu.bootstrap,
+                         "--prefix", prefix(), "--transaction-timeout-ms", "120000", "--sink", "orders")
+    assert verdicts(found) == {
+        ("database", "database"): "ok",
+        ("database", "migrations"): "ok",
+        ("sink orders", "coordinator_timeouts"): "ok",
+        ("sink orders", "bootstrap"): "ok",
+        ("sink orders", "advertised_listeners"): "ok",
+        ("sink orders", "transactions_supported"): "ok",
+        ("sink orders", "transaction_timeout"): "ok",  # within Kafka's default: Tansu does not report its max
+        ("sink orders", "prefix_unused"): "warn",  # Tansu lacks ListTransactions: unverifiable, not failed
+        ("sink orders", "prefix_clash"): "ok",
+    }
+    assert code == 0
+    assert "not verified" in found[("sink orders", "transaction_timeout")]["detail"]
+    assert "ListTransactions" in found[("sink orders", "prefix_unused")]["detail"]
+    assert "Kafka >= 3.0" in found[("sink orders", "prefix_unused")]["fix"]
+    assert found[("database", "migrations")]["fix"] is None
+
+
+def test_unreachable_broker_fails_with_its_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    closed = free_port()
+    code, found = doctor(capsys, "--bootstrap-servers", f"127.0.0.1:{closed}", "--prefix", prefix())
+    bootstrap = found[("sink unregistered", "bootstrap")]
+    assert bootstrap["verdict"] == "fail" and code == 1
+    assert f"cannot reach any bootstrap server 127.0.0.1:{closed}" in bootstrap["detail"]
+    assert "kafka.bootstrap.servers" in bootstrap["fix"]
+    assert found[("database", "database")]["verdict"] == "warn"  # no database given: said, not failed
+
+
+def test_unreachable_broker_through_the_console_command() -> None:
+    """The same verdict from the installed entry point, as an operator runs it (plain text)."""
+    closed = free_port()
+    out = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "doctor", "--bootstrap-servers", f"127.0.0.1:{closed}",
+         "--prefix", "p", "--kafka-timeout-ms", "2000"],
+        cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 1, out.stderr
+    assert f"[fail] sink unregistered / bootstrap: cannot reach any bootstrap server 127.0.0.1:{closed}" in out.stdout
+    assert "       fix: check kafka.bootstrap.servers" in out.stdout
+    assert out.stdout.strip().splitlines()[-1].endswith("1 fail")
+
+
+def test_sink_timeout_above_the_brokers_maximum(faulty: tuple[TansuBroker, KafkaFaultProxy],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    broker, proxy = faulty
+    proxy.respond(DESCRIBE_CONFIGS, broker_config_answer({"transaction.max.timeout.ms": "30000"}))
+    code, found = doctor(capsys, "--bootstrap-servers", broker.bootstrap, "--prefix", prefix(),
+                         "--transaction-timeout-ms", "60000")
+    timeout = found[("sink unregistered", "transaction_timeout")]
+    assert code == 1 and timeout["verdict"] == "fail"
+    assert "60000 exceeds the broker's transaction.max.timeout.ms 30000" in timeout["detail"]
+    assert "lower the sink's transaction_timeout_ms to at most 30000" in timeout["fix"]
+    assert found[("sink unregistered", "bootstrap")]["verdict"] == "ok"
+
+    code, found = doctor(capsys, "--bootstrap-servers", broker.bootstrap, "--prefix", prefix(),
+                         "--transaction-timeout-ms", "20000")
+    assert found[("sink unregistered", "transaction_timeout")]["verdict"] == "ok"
+    assert proxy.injected[DESCRIBE_CONFIGS] == 2
+
+
+def test_registered_sinks_and_prefix_clash(tansu: TansuBroker, coordinator: Coordinator, database_url: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    p = prefix()
+    coordinator.register_sink(SinkSpec("orders", p, tansu.bootstrap, ["out"], transaction_timeout_ms=120_000), "admin")
+    code, found = doctor(capsys, "--database-url", database_url)  # every registered sink
+    assert found[("sink orders", "bootstrap")]["verdict"] == "ok"
+    assert found[("sink orders", "prefix_clash")]["verdict"] == "ok"
+    assert code == 0
+
+    # a sink about to be registered whose prefix extends an existing one's
+    code, found = doctor(capsys, "--database-url", database_url, "--bootstrap-servers", tansu.bootstrap,
+                         "--prefix", p + "x", "--transaction-timeout-ms", "120000", "--sink", "views")
+    clash = found[("sink views", "prefix_clash")]
+    assert code == 1 and clash["verdict"] == "fail"
+    assert f"overlaps the prefix of orders ('{p}')" in clash["detail"]
+    assert "neither equal to nor a prefix" in clash["fix"]
+
+
+def test_timeout_above_the_coordinators_limit(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COORDINATOR_BROKER_MAX_TRANSACTION_TIMEOUT_MS", "300000")
+    closed = free_port()
+    code, found = doctor(capsys, "--bootstrap-servers", f"127.0.0.1:{closed}", "--prefix", prefix(),
+                         "--transaction-timeout-ms", "600000")
+    limit = found[("sink unregistered", "coordinator_timeouts")]
+    assert code == 1 and limit["verdict"] == "fail"
+    assert "exceeds the coordinator's limit COORDINATOR_BROKER_MAX_TRANSACTION_TIMEOUT_MS=300000" in limit["detail"]
+
+
+def test_database_behind_its_migrations_and_unreachable(database_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    downgrade(database_url, "0001")
+    code, found = doctor(capsys, "--database-url", database_url)
+    migrations = found[("database", "migrations")]
+    assert code == 1 and found[("database", "database")]["verdict"] == "ok"
+    assert migrations["verdict"] == "fail" and "revision 0001, behind the migrations' head" in migrations["detail"]
+    assert "coordinator migrate" in migrations["fix"]
+
+    closed = free_port()
+    code, found = doctor(capsys, "--database-url", f"postgresql://nobody:secret@127.0.0.1:{closed}/coordinator")
+    db = found[("database", "database")]
+    assert code == 1 and db["verdict"] == "fail" and "cannot reach the database" in db["detail"]
+    assert "secret" not in db["detail"]  # the password is never printed
+    assert ("database", "migrations") not in found
+
+
+def test_database_without_schema(postgres_server_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from sqlalchemy.engine import make_url
+
+    name = f"empty_{uuid.uuid4().hex[:8]}"
+    plain = postgres_server_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(plain, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        url = make_url(plain).set(database=name).render_as_string(hide_password=False)
+        code, found = doctor(capsys, "--database-url", url)
+    finally:
+        with psycopg.connect(plain, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    assert code == 1 and "no coordinator schema" in found[("database", "migrations")]["detail"]

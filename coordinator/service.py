@@ -1321,11 +1321,12 @@ class Coordinator:
         """How many of the sink's pooled transactional ids exist and how many are leased."""
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
-            counts = dict(conn.execute(
+            rows = conn.execute(
                 select(transactional_ids.c.state, func.count())
                 .where(transactional_ids.c.sink_id == sink.id)
                 .group_by(transactional_ids.c.state)
-            ).tuples().all())
+            ).all()
+        counts = {state: n for state, n in rows}
         return PoolUsage(size=sum(counts.values()), leased=counts.get("LEASED", 0), max_size=sink.max_pool_size)
 
     def snapshot(self) -> Snapshot:

@@ -99,7 +99,8 @@ def sink_health(
     near = recovery_rules.near_timeout(unresolved, now, sink.transaction_timeout_ms, thresholds.near_timeout_fraction)
     for x in near:
         pct = rules.transaction_age_fraction(x, now, sink.transaction_timeout_ms) * 100
-        found.append(Finding("near_timeout", Level.WARN, f"{x.transactional_id} ({x.state}, lease {x.id}) is at "
+        where = "past" if pct >= 100 else "at"
+        found.append(Finding("near_timeout", Level.WARN, f"{x.transactional_id} ({x.state}, lease {x.id}) is {where} "
                                                          f"{pct:.0f}% of its {sink.transaction_timeout_ms} ms timeout"))
     if lingering:
         found.append(Finding("lingering", Level.WARN, f"{lingering} open transaction(s) under the prefix that no "

@@ -21,6 +21,7 @@ from .health import Health, Thresholds, TimeoutBar, ms_between, sink_health, tim
 
 HISTORY = 50  # checkpoints per sink page (tables and charts)
 EVENTS = 30  # newest events on a sink page
+MIN_SLOTS = 12  # chart width in bars, at least
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class Chart:
 def bar_chart(key: str, title: str, unit: str, points: Sequence[tuple[str, float | None]]) -> Chart:
     values = [(label, v) for label, v in points if v is not None]
     top = max((v for _, v in values), default=0) or 1
-    slot = Chart.WIDTH / max(len(values), 1)
+    slot = Chart.WIDTH / max(len(values), MIN_SLOTS)  # a few batches are not drawn as walls
     bars = []
     for i, (label, v) in enumerate(values):
         h = (Chart.HEIGHT - 20) * v / top

@@ -370,3 +370,12 @@ def test_stuck_offsets_and_lingering_transactions(coordinator: Coordinator, kafk
         now[0] += 1
         assert attr(t.get("/dashboard/").text, "health", "data-level") == ["ok"]
     watch.close()
+
+
+def test_names_are_escaped_and_the_wall_screen_flag_sets_large_type(client: TestClient, api: ProtocolClient) -> None:
+    new_sink(api, "orders")
+    login(client, who="<script>alert(1)</script>")
+    page = client.get("/dashboard/").text
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert '<body class=""' in page and 'data-refresh="5"' in page
+    assert '<body class="tv"' in client.get("/dashboard/?tv=1").text

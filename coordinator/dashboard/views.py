@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
-from ..protocol.states import UNRESOLVED_LEASE_STATES, CheckpointState, LeaseState
+from ..protocol.states import CheckpointState, LeaseState
 from ..service import CheckpointDetail, Coordinator, PoolUsage
 from .broker_watch import BrokerView, BrokerWatch
 from .health import Health, Thresholds, TimeoutBar, ms_between, sink_health, timeout_bars
@@ -182,7 +182,7 @@ class Views:
         sink = c.get_sink(name)
         now = self.now()
         history = c.checkpoint_history(name, limit=HISTORY)
-        unresolved = [x for x in c.possibly_open_transactions(name) if x.state in UNRESOLVED_LEASE_STATES]
+        unresolved = c.possibly_open_transactions(name)
         rows = [batch_row(d) for d in history]
         events = c.recent_events(name, EVENTS)
         return SinkPage(

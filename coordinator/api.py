@@ -83,7 +83,12 @@ class _SinkTokenCache:
 
 
 def create_app(
-    coordinator: Coordinator, *, admin_token: str, token_secret: bytes, dashboard_viewer_token: str | None = None
+    coordinator: Coordinator,
+    *,
+    admin_token: str,
+    token_secret: bytes,
+    dashboard_viewer_token: str | None = None,
+    dashboard_secure_cookie: bool = False,
 ) -> FastAPI:
     app = FastAPI(
         title="Spark -> Kafka exactly-once transaction coordinator",
@@ -328,6 +333,7 @@ def create_app(
 
     app.mount("/dashboard", create_dashboard(
         coordinator, admin_token=admin_token, token_secret=token_secret, viewer_token=dashboard_viewer_token,
+        secure_cookie=dashboard_secure_cookie,
     ))
 
     @app.get("/", include_in_schema=False)

@@ -45,6 +45,7 @@ def create_app_from_env() -> FastAPI:
         dashboard_viewer_token=(
             settings.dashboard_viewer_token.get_secret_value() if settings.dashboard_viewer_token else None
         ),
+        dashboard_secure_cookie=settings.dashboard_secure_cookie,
     )
     if settings.recovery_enabled:
         loop = RecoveryLoop(

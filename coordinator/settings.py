@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     # Read-only token for the operator dashboard (/dashboard); the admin token can view and act.
     # Unset: only the admin token logs in.
     dashboard_viewer_token: SecretStr | None = None
+    # Mark the dashboard's session cookie Secure (set it when the service is reached over HTTPS).
+    dashboard_secure_cookie: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def kafka_options(self) -> dict[str, Any]:

@@ -109,6 +109,14 @@ def test_session_cookie_is_httponly_strict_and_scoped_to_the_dashboard(client: T
     assert f"{SESSION_COOKIE}=" in cookie and "httponly" in cookie and "samesite=strict" in cookie
     assert "path=/dashboard" in cookie
     assert VIEWER not in r.headers["set-cookie"]  # the token itself is never in the cookie
+    assert "secure" not in [part.strip() for part in cookie.split(";")]  # plain HTTP by default
+
+
+def test_secure_cookie_when_configured(coordinator: Coordinator) -> None:
+    app = create_app(coordinator, admin_token=ADMIN, token_secret=SECRET, dashboard_secure_cookie=True)
+    with TestClient(app, base_url="https://testserver") as t:
+        r = t.post("/dashboard/login", data={"token": ADMIN, "operator": "a"}, follow_redirects=False)
+        assert "secure" in [part.strip() for part in r.headers["set-cookie"].lower().split(";")]
 
 
 def test_login_redirects_only_inside_the_dashboard(client: TestClient) -> None:
@@ -291,6 +299,9 @@ def test_actions_name_what_is_missing(client: TestClient, api: ProtocolClient) -
     assert client.get("/dashboard/actions/abort-attempt?sink=orders&batch=x&attempt=1").status_code == 422
     assert client.get("/dashboard/actions/drop-everything?sink=orders").status_code == 404
     assert client.get("/dashboard/actions/reset-lineage?sink=nosuch").status_code == 404
+    r = client.get("/dashboard/sinks/nosuch")
+    assert r.status_code == 404 and "no sink named &#39;nosuch&#39;" in r.text
+    assert client.get("/dashboard/sinks/orders/checkpoints/7").status_code == 404
     page = client.get("/dashboard/actions/reset-lineage?sink=orders").text
     r = client.post("/dashboard/actions/reset-lineage", data={"csrf": csrf_of(page), "sink": "orders", "reason": " "})
     assert r.status_code == 422 and "give a reason" in r.text

@@ -119,7 +119,7 @@ def sink_health(
                                                      f"over {thresholds.slow_batch_fraction:.0%} of the "
                                                      f"{sink.transaction_timeout_ms} ms transaction timeout"))
     if not found:
-        label = "committing normally" if any(c.state is CheckpointState.COMMITTED for c, _ in recent) else "no batch yet"
+        label = "committing normally" if recent else "no batch yet"
         return Health(Level.OK, label, ())
     found.sort(key=lambda f: (-f.level, ORDER.index(f.kind)))
     return Health(found[0].level, LABELS[found[0].kind], tuple(found))

@@ -164,7 +164,8 @@ class Views:
             sink, [(d.checkpoint, d.attempts) for d in history], unresolved, now,
             stuck_partitions=len(broker.stuck), lingering=len(broker.lingering), thresholds=self.thresholds,
         )
-        last = next((d.checkpoint for d in history if d.checkpoint.state is CheckpointState.COMMITTED), None)
+        committed = self.coordinator.list_checkpoints(sink.name, state=CheckpointState.COMMITTED, limit=1)
+        last = committed[0] if committed else None
         age = ms_between(last.committed_at, now) if last is not None and last.committed_at is not None else None
         return SinkSummary(sink, health, last, age, len(unresolved), broker)
 

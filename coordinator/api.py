@@ -10,11 +10,12 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
 
 from . import __version__, metrics
 from .auth import Principal, tokens_equal, writer_token
 from .broker import PartitionWatch, check_sink_broker, observe_partitions
+from .dashboard import create_dashboard
 from .protocol import errors as e
 from .protocol.model import PartitionResult, Sink
 from .protocol.rules import PrecommitRequest
@@ -81,7 +82,14 @@ class _SinkTokenCache:
         self._entries.pop(name, None)
 
 
-def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: bytes) -> FastAPI:
+def create_app(
+    coordinator: Coordinator,
+    *,
+    admin_token: str,
+    token_secret: bytes,
+    dashboard_viewer_token: str | None = None,
+    dashboard_secure_cookie: bool = False,
+) -> FastAPI:
     app = FastAPI(
         title="Spark -> Kafka exactly-once transaction coordinator",
         version=__version__,
@@ -324,6 +332,17 @@ def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: byte
         when the stable offset stayed below the high watermark for at least min_stall_s since an
         earlier call (to this process), with the transaction holding it."""
         return PartitionsOut.of(observe_partitions(coordinator, name, partition_watch, min_stall_s=min_stall_s))
+
+    # --- operator dashboard (coordinator/dashboard/) ---------------------------------------------
+
+    app.mount("/dashboard", create_dashboard(
+        coordinator, admin_token=admin_token, token_secret=token_secret, viewer_token=dashboard_viewer_token,
+        secure_cookie=dashboard_secure_cookie,
+    ))
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("/dashboard/", status_code=307)
 
     return app
 

@@ -42,6 +42,10 @@ def create_app_from_env() -> FastAPI:
         coordinator,
         admin_token=settings.admin_token.get_secret_value(),
         token_secret=settings.writer_token_secret(),
+        dashboard_viewer_token=(
+            settings.dashboard_viewer_token.get_secret_value() if settings.dashboard_viewer_token else None
+        ),
+        dashboard_secure_cookie=settings.dashboard_secure_cookie,
     )
     if settings.recovery_enabled:
         loop = RecoveryLoop(

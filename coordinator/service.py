@@ -144,6 +144,13 @@ class CheckpointDetail:
     leases: list[Lease]
 
 
+@dataclass(frozen=True)
+class PoolUsage:
+    size: int  # transactional ids created so far (the pool grows on demand)
+    leased: int  # of them held by an unresolved lease
+    max_size: int  # the sink's max_pool_size
+
+
 class Coordinator:
     def __init__(
         self,
@@ -1232,6 +1239,16 @@ class Coordinator:
                 return "skipped"
             raise
 
+    def record_operator_event(self, name: str, kind: str, actor: str, batch_id: int | None = None, **detail: Any) -> None:
+        """Put an operator's action into the sink's event trail (who in `actor`, when from the clock)."""
+
+        def step(conn: Connection) -> None:
+            sink = repo.sink_by_name(conn, name)
+            cp_id = repo.checkpoint_for(conn, sink, batch_id).id if batch_id is not None else None
+            repo.add_event(conn, sink.id, kind, actor, self.clock.now(), cp_id, **detail)
+
+        self._tx(step)
+
     # --- reads --------------------------------------------------------------------------------
 
     def list_checkpoints(
@@ -1277,6 +1294,51 @@ class Coordinator:
             if batch_id is not None:
                 stmt = stmt.where(events.c.checkpoint_id == repo.checkpoint_for(conn, sink, batch_id).id)
             return [dict(r._mapping) for r in conn.execute(stmt.order_by(events.c.id).limit(limit))]
+
+    def recent_events(self, name: str, limit: int = 30) -> list[dict[str, Any]]:
+        """The sink's newest events, newest first (list_events pages oldest first)."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            stmt = select(events, checkpoints.c.batch_id).outerjoin(checkpoints, events.c.checkpoint_id == checkpoints.c.id)
+            stmt = stmt.where(events.c.sink_id == sink.id).order_by(events.c.id.desc()).limit(limit)
+            return [dict(r._mapping) for r in conn.execute(stmt)]
+
+    def checkpoint_history(self, name: str, limit: int = 50) -> list[CheckpointDetail]:
+        """The newest `limit` checkpoints of the sink's current lineage with their attempts and
+        leases, newest first, in three queries (the dashboard's charts and tables)."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            cps = [repo.as_checkpoint(r) for r in conn.execute(
+                select(checkpoints)
+                .where(checkpoints.c.sink_id == sink.id, checkpoints.c.query_id == sink.lineage_query_id)
+                .order_by(checkpoints.c.batch_id.desc())
+                .limit(limit)
+            )]
+            ids = [c.id for c in cps]
+            cp_attempts = [repo.as_attempt(r) for r in conn.execute(
+                select(attempts).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
+            )] if ids else []
+            cp_leases = repo.leases_where(conn, leases.c.checkpoint_id.in_(ids)) if ids else []
+        return [
+            CheckpointDetail(
+                checkpoint=c,
+                attempts=[a for a in cp_attempts if a.checkpoint_id == c.id],
+                leases=[x for x in cp_leases if x.checkpoint_id == c.id],
+            )
+            for c in cps
+        ]
+
+    def pool_usage(self, name: str) -> PoolUsage:
+        """How many of the sink's pooled transactional ids exist and how many are leased."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            rows = conn.execute(
+                select(transactional_ids.c.state, func.count())
+                .where(transactional_ids.c.sink_id == sink.id)
+                .group_by(transactional_ids.c.state)
+            ).all()
+        counts = {state: n for state, n in rows}
+        return PoolUsage(size=sum(counts.values()), leased=counts.get("LEASED", 0), max_size=sink.max_pool_size)
 
     def snapshot(self) -> Snapshot:
         with self.engine.connect() as conn:

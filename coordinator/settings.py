@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     recovery_enabled: bool = True
     recovery_interval_ms: int = Field(5_000, ge=10)
     recovery_leader_ttl_ms: int = Field(15_000, ge=50)
+    # Read-only token for the operator dashboard (/dashboard); the admin token can view and act.
+    # Unset: only the admin token logs in.
+    dashboard_viewer_token: SecretStr | None = None
+    # Mark the dashboard's session cookie Secure (set it when the service is reached over HTTPS).
+    dashboard_secure_cookie: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def kafka_options(self) -> dict[str, Any]:

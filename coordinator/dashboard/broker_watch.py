@@ -1,0 +1,101 @@
+"""The dashboard's view of the broker: stuck last stable offsets (coordinator/broker.py) and
+lingering transactions (recovery_rules.lingering), per sink.
+
+A page must not hang on a slow or unreachable broker (the Kafka control plane retries for up to
+its retry budget), so each sink's observation runs in a background thread: a page waits at most
+`wait_s` for it and otherwise shows the previous observation (or "observing"). Observations are
+reused for `ttl_s`; the stall of a partition is measured across observations by one
+`PartitionWatch`, so a page refreshing every few seconds is what detects a stuck offset.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..broker import BlockingTransaction, PartitionWatch, StuckPartition, observe_partitions
+from ..kafka_control import ControlPlaneError, KafkaTarget, OpenTransaction
+from ..protocol import errors as e
+from ..protocol import recovery_rules
+
+if TYPE_CHECKING:
+    from ..service import Coordinator
+
+
+@dataclass(frozen=True)
+class BrokerView:
+    stuck: list[StuckPartition] = field(default_factory=list)
+    blocking: list[BlockingTransaction] = field(default_factory=list)
+    lingering: list[OpenTransaction] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what could not be observed, and why
+    observed_at: float | None = None  # monotonic; None: no observation finished yet
+
+
+class BrokerWatch:
+    def __init__(self, coordinator: Coordinator, *, min_stall_s: float = 60.0, ttl_s: float = 4.0,
+                 wait_s: float = 2.0, watch: PartitionWatch | None = None) -> None:
+        self.coordinator = coordinator
+        self.min_stall_s = min_stall_s
+        self.ttl_s = ttl_s
+        self.wait_s = wait_s
+        self.watch = watch or PartitionWatch()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dashboard-broker")
+        self._lock = threading.Lock()
+        self._last: dict[str, BrokerView] = {}
+        self._running: dict[str, Future[BrokerView]] = {}
+
+    def view(self, sink: str) -> BrokerView:
+        with self._lock:
+            last = self._last.get(sink)
+            fresh = last is not None and last.observed_at is not None and time.monotonic() - last.observed_at < self.ttl_s
+            if fresh:
+                assert last is not None
+                return last
+            future = self._running.get(sink)
+            if future is None:
+                future = self._pool.submit(self._observe, sink)
+                self._running[sink] = future
+        try:
+            return future.result(timeout=self.wait_s)
+        except FutureTimeout:
+            return last or BrokerView(notes=["observing the broker (no answer yet)"])
+
+    def _observe(self, sink: str) -> BrokerView:
+        try:
+            view = self._observe_now(sink)
+        except Exception as exc:  # shown on the page, never raised into it
+            view = BrokerView(notes=[f"broker observation failed: {exc}"], observed_at=time.monotonic())
+        with self._lock:
+            self._last[sink] = view
+            self._running.pop(sink, None)
+        return view
+
+    def _observe_now(self, name: str) -> BrokerView:
+        c = self.coordinator
+        if c.control_plane is None:
+            return BrokerView(notes=["no Kafka control plane configured: the broker is not observed"],
+                              observed_at=time.monotonic())
+        notes: list[str] = []
+        stuck: list[StuckPartition] = []
+        blocking: list[BlockingTransaction] = []
+        try:
+            report = observe_partitions(c, name, self.watch, min_stall_s=self.min_stall_s)
+            stuck, blocking, notes = report.stuck, report.blocking, list(report.notes)
+        except (e.ProtocolError, ControlPlaneError) as exc:
+            notes.append(f"last stable offsets not observed: {exc}")
+        lingering: list[OpenTransaction] = []
+        try:
+            sink = c.get_sink(name)
+            target = KafkaTarget(sink.name, sink.bootstrap_servers, sink.transaction_timeout_ms)
+            listed = c.control_plane.list_open_transactions(target, sink.transactional_id_prefix + "-")
+            lingering = recovery_rules.lingering(listed, c.possibly_open_transactions(name)) if listed else []
+        except ControlPlaneError as exc:
+            notes.append(f"open transactions not listed: {exc}")
+        return BrokerView(stuck, blocking, lingering, notes, time.monotonic())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

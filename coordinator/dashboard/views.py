@@ -1,0 +1,206 @@
+"""The dashboard's read model: turns the service's reads into page data (no HTTP here).
+
+Per-batch figures come from what the protocol records today: a committed batch's records and
+bytes are the sums over its winning leases' pre-commits; its durations come from the attempt's
+and checkpoint's timestamps. `DURATIONS` lists the duration columns and charts; a new recorded
+figure (e.g. a per-lease write time) is one more entry there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from ..protocol.model import Attempt, Checkpoint, Lease, Sink
+from ..protocol.states import CheckpointState, LeaseState
+from ..service import CheckpointDetail, Coordinator, PoolUsage
+from .broker_watch import BrokerView, BrokerWatch
+from .health import Health, Thresholds, TimeoutBar, ms_between, sink_health, timeout_bars
+
+HISTORY = 50  # checkpoints per sink page (tables and charts)
+EVENTS = 30  # newest events on a sink page
+MIN_SLOTS = 12  # chart width in bars, at least
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One checkpoint as a table row and a chart point."""
+
+    detail: CheckpointDetail
+    winners: list[Lease]
+    records: int | None  # sum over winning leases; None until a commit is decided
+    bytes: int | None
+    durations: dict[str, int | None]  # DURATIONS key -> ms
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self.detail.checkpoint
+
+    @property
+    def decided_attempt(self) -> Attempt | None:
+        n = self.checkpoint.committed_attempt
+        return next((a for a in self.detail.attempts if a.number == n), None)
+
+
+def _ms(start: datetime | None, end: datetime | None) -> int | None:
+    return None if start is None or end is None else ms_between(start, end)
+
+
+# key, label, how to compute it (ms) from a checkpoint and its decided attempt
+DURATIONS: list[tuple[str, str, Callable[[Checkpoint, Attempt | None], int | None]]] = [
+    ("batch_ms", "batch (attempt start → decision)", lambda cp, a: _ms(a.started_at, a.decided_at) if a else None),
+    ("commit_ms", "commit latency (decision → committed)", lambda cp, a: _ms(cp.decided_at, cp.committed_at)),
+    ("total_ms", "checkpoint (first begin → committed)", lambda cp, a: _ms(cp.created_at, cp.committed_at)),
+]
+
+WINNER_STATES = {LeaseState.COMMITTING, LeaseState.COMMITTED, LeaseState.LOST_ABORTING, LeaseState.LOST}
+
+
+def batch_row(d: CheckpointDetail) -> BatchRow:
+    cp = d.checkpoint
+    attempt = next((a for a in d.attempts if a.number == cp.committed_attempt), None)
+    winners = [x for x in d.leases if attempt is not None and x.attempt_id == attempt.id and x.state in WINNER_STATES]
+    decided = attempt is not None
+    return BatchRow(
+        detail=d,
+        winners=winners,
+        records=sum(x.records or 0 for x in winners) if decided else None,
+        bytes=sum(x.bytes or 0 for x in winners) if decided else None,
+        durations={key: f(cp, attempt) for key, _, f in DURATIONS},
+    )
+
+
+@dataclass(frozen=True)
+class Bar:
+    label: str  # batch id
+    value: float
+    x: float
+    y: float
+    width: float
+    height: float
+    title: str
+
+
+@dataclass(frozen=True)
+class Chart:
+    """A bar chart as inline SVG geometry (viewBox 0 0 WIDTH HEIGHT), oldest batch on the left."""
+
+    key: str
+    title: str
+    unit: str
+    bars: list[Bar]
+    max_value: float
+
+    WIDTH = 600
+    HEIGHT = 160
+
+
+def bar_chart(key: str, title: str, unit: str, points: Sequence[tuple[str, float | None]]) -> Chart:
+    values = [(label, v) for label, v in points if v is not None]
+    top = max((v for _, v in values), default=0) or 1
+    slot = Chart.WIDTH / max(len(values), MIN_SLOTS)  # a few batches are not drawn as walls
+    bars = []
+    for i, (label, v) in enumerate(values):
+        h = (Chart.HEIGHT - 20) * v / top
+        bars.append(Bar(label, v, i * slot + slot * 0.1, Chart.HEIGHT - h, slot * 0.8, h, f"batch {label}: {v:g} {unit}"))
+    return Chart(key, title, unit, bars, top)
+
+
+def charts(rows: Sequence[BatchRow]) -> list[Chart]:
+    """Throughput and latency of the decided batches, oldest first."""
+    decided = [r for r in reversed(rows) if r.records is not None]
+    out = [
+        bar_chart("records", "records per batch", "records", [(str(r.checkpoint.batch_id), r.records) for r in decided]),
+        bar_chart("bytes", "bytes per batch", "bytes", [(str(r.checkpoint.batch_id), r.bytes) for r in decided]),
+    ]
+    for key, label, _ in DURATIONS:
+        out.append(bar_chart(key, label, "ms", [(str(r.checkpoint.batch_id), r.durations[key]) for r in decided]))
+    return out
+
+
+@dataclass(frozen=True)
+class SinkSummary:
+    sink: Sink
+    health: Health
+    last_committed: Checkpoint | None
+    last_committed_age_ms: int | None
+    open_transactions: int
+    broker: BrokerView
+
+
+@dataclass(frozen=True)
+class SinkPage:
+    summary: SinkSummary
+    rows: list[BatchRow]
+    charts: list[Chart]
+    bars: list[TimeoutBar]
+    pool: PoolUsage
+    events: list[dict[str, Any]]
+    durations: list[tuple[str, str]] = field(default_factory=lambda: [(k, label) for k, label, _ in DURATIONS])
+
+
+@dataclass(frozen=True)
+class CheckpointPage:
+    sink: Sink
+    row: BatchRow
+    attempt_numbers: dict[int, int]  # attempt id -> number
+    events: list[dict[str, Any]]
+
+
+class Views:
+    def __init__(self, coordinator: Coordinator, broker: BrokerWatch, thresholds: Thresholds = Thresholds()) -> None:
+        self.coordinator = coordinator
+        self.broker = broker
+        self.thresholds = thresholds
+
+    def now(self) -> datetime:
+        return self.coordinator.clock.now()
+
+    def _summary(self, sink: Sink, history: list[CheckpointDetail], unresolved: list[Lease], now: datetime) -> SinkSummary:
+        broker = self.broker.view(sink.name)
+        health = sink_health(
+            sink, [(d.checkpoint, d.attempts) for d in history], unresolved, now,
+            stuck_partitions=len(broker.stuck), lingering=len(broker.lingering), thresholds=self.thresholds,
+        )
+        committed = self.coordinator.list_checkpoints(sink.name, state=CheckpointState.COMMITTED, limit=1)
+        last = committed[0] if committed else None
+        age = ms_between(last.committed_at, now) if last is not None and last.committed_at is not None else None
+        return SinkSummary(sink, health, last, age, len(unresolved), broker)
+
+    def overview(self) -> list[SinkSummary]:
+        c = self.coordinator
+        now = self.now()
+        out = []
+        for sink in c.list_sinks():
+            history = c.checkpoint_history(sink.name, limit=5)
+            out.append(self._summary(sink, history, c.possibly_open_transactions(sink.name), now))
+        return out
+
+    def sink_page(self, name: str) -> SinkPage:
+        c = self.coordinator
+        sink = c.get_sink(name)
+        now = self.now()
+        history = c.checkpoint_history(name, limit=HISTORY)
+        unresolved = c.possibly_open_transactions(name)
+        rows = [batch_row(d) for d in history]
+        events = c.recent_events(name, EVENTS)
+        return SinkPage(
+            summary=self._summary(sink, history, unresolved, now),
+            rows=rows,
+            charts=charts(rows),
+            bars=timeout_bars(unresolved, now, sink.transaction_timeout_ms, self.thresholds.near_timeout_fraction),
+            pool=c.pool_usage(name),
+            events=events,
+        )
+
+    def checkpoint_page(self, name: str, batch_id: int) -> CheckpointPage:
+        c = self.coordinator
+        d = c.checkpoint_detail(name, batch_id)
+        return CheckpointPage(
+            sink=c.get_sink(name),
+            row=batch_row(d),
+            attempt_numbers={a.id: a.number for a in d.attempts},
+            events=c.list_events(name, batch_id=batch_id, limit=1000),
+        )

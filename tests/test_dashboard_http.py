@@ -1,0 +1,392 @@
+"""The operator dashboard's routes over HTTP (FastAPI's TestClient in-process, real Postgres,
+record-only Kafka control plane, manual clock): login and sessions, the viewer/admin split, CSRF,
+confirmation, every action's effect on the database and the event trail, and the health figures
+the pages show (near timeout, lost data, stuck offsets, lingering transactions).
+The browser half is tests/test_dashboard_browser.py."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from servers import ProtocolClient
+
+from coordinator.api import create_app
+from coordinator.broker import PartitionWatch
+from coordinator.clock import ManualClock
+from coordinator.dashboard import create_dashboard
+from coordinator.dashboard.broker_watch import BrokerWatch
+from coordinator.dashboard.routes import SESSION_COOKIE
+from coordinator.kafka_control import ControlPlaneError, OpenTransaction, PartitionStability, RecordingControlPlane
+from coordinator.protocol import errors as e
+from coordinator.protocol.invariants import check_unchanged
+from coordinator.service import Coordinator
+
+ADMIN = "dashboard-admin-token"
+VIEWER = "dashboard-viewer-token"
+SECRET = b"dashboard-writer-secret"
+FENCED = ControlPlaneError("EndTxn: broker answered PRODUCER_FENCED (90)", retriable=False, code="producer_fenced")
+UNREACHABLE = ControlPlaneError("broker unreachable", retriable=True, code="network_exception")
+
+
+@pytest.fixture
+def client(coordinator: Coordinator) -> Iterator[TestClient]:
+    with TestClient(create_app(coordinator, admin_token=ADMIN, token_secret=SECRET, dashboard_viewer_token=VIEWER)) as t:
+        yield t
+
+
+@pytest.fixture
+def api(client: TestClient) -> ProtocolClient:
+    return ProtocolClient(client, ADMIN)
+
+
+def login(t: TestClient, token: str = ADMIN, who: str = "alice") -> None:
+    r = t.post("/dashboard/login", data={"token": token, "operator": who, "next": "/dashboard/"}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/dashboard/", r.text
+
+
+def batch(api: ProtocolClient, sink: str, gen: int, batch_id: int, records: list[int], *, commit: bool = True) -> tuple[int, list[int]]:
+    """Write one batch through the protocol (a lease and a pre-commit per partition); commit it."""
+    attempt = api.begin(sink, batch_id, gen)["attempt"]
+    lids = []
+    for p, n in enumerate(records):
+        lid = api.lease(sink, batch_id, attempt, gen, p, 1000 * batch_id + p)["lease_id"]
+        api.precommit(sink, lid, gen, producer_id=7000 + lid, producer_epoch=2, records=n, bytes=n * 10)
+        lids.append(lid)
+    if commit:
+        api.commit(sink, batch_id, attempt, gen, dict(enumerate(lids)))
+    return attempt, lids
+
+
+def new_sink(api: ProtocolClient, name: str, **extra: object) -> int:
+    api.register_sink(name, f"{name}-eos", check_broker=False, **extra)
+    return api.start_generation(name, f"query-{name}", f"run-{name}")["generation"]
+
+
+def csrf_of(html: str) -> str:
+    m = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert m, "no CSRF token on the page"
+    return m.group(1)
+
+
+def attr(html: str, testid: str, name: str) -> list[str]:
+    """Values of attribute `name` on every element with data-testid=testid."""
+    return re.findall(rf'data-testid="{testid}"[^>]*?{name}="([^"]*)"', html)
+
+
+def events(c: Coordinator, sink: str, kind: str) -> list[dict]:
+    return [ev for ev in c.list_events(sink, limit=1000) if ev["kind"] == kind]
+
+
+# --- login and sessions ----------------------------------------------------------------------
+
+
+def test_pages_need_a_login_and_the_root_leads_to_the_dashboard(client: TestClient) -> None:
+    r = client.get("/", follow_redirects=False)
+    assert r.status_code == 307 and r.headers["location"] == "/dashboard/"
+    for path in ("/dashboard/", "/dashboard/sinks/orders", "/dashboard/actions/reset-lineage?sink=orders"):
+        r = client.get(path, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"].startswith("/dashboard/login?next=/dashboard/"), path
+    assert client.get("/dashboard/static/dashboard.js").status_code == 200  # assets are served, no CDN
+
+
+def test_login_refuses_a_wrong_token_or_no_name(client: TestClient) -> None:
+    for data, message in [({"token": "nope", "operator": "alice"}, "wrong token"),
+                          ({"token": ADMIN, "operator": " "}, "enter your name"),
+                          ({"token": "", "operator": "alice"}, "wrong token")]:
+        r = client.post("/dashboard/login", data=data, follow_redirects=False)
+        assert r.status_code == 401 and message in r.text
+        assert SESSION_COOKIE not in r.headers.get("set-cookie", "")
+    assert client.get("/dashboard/", follow_redirects=False).status_code == 303
+
+
+def test_session_cookie_is_httponly_strict_and_scoped_to_the_dashboard(client: TestClient) -> None:
+    r = client.post("/dashboard/login", data={"token": VIEWER, "operator": "bob"}, follow_redirects=False)
+    cookie = r.headers["set-cookie"].lower()
+    assert f"{SESSION_COOKIE}=" in cookie and "httponly" in cookie and "samesite=strict" in cookie
+    assert "path=/dashboard" in cookie
+    assert VIEWER not in r.headers["set-cookie"]  # the token itself is never in the cookie
+    assert "secure" not in [part.strip() for part in cookie.split(";")]  # plain HTTP by default
+
+
+def test_secure_cookie_when_configured(coordinator: Coordinator) -> None:
+    app = create_app(coordinator, admin_token=ADMIN, token_secret=SECRET, dashboard_secure_cookie=True)
+    with TestClient(app, base_url="https://testserver") as t:
+        r = t.post("/dashboard/login", data={"token": ADMIN, "operator": "a"}, follow_redirects=False)
+        assert "secure" in [part.strip() for part in r.headers["set-cookie"].lower().split(";")]
+
+
+def test_login_redirects_only_inside_the_dashboard(client: TestClient) -> None:
+    for target, expected in [("/dashboard/sinks/x", "/dashboard/sinks/x"), ("//evil.example/x", "/dashboard/"),
+                             ("https://evil.example/", "/dashboard/"), ("/v1/sinks", "/dashboard/")]:
+        r = client.post("/dashboard/login", data={"token": ADMIN, "operator": "a", "next": target}, follow_redirects=False)
+        assert r.headers["location"] == expected
+
+
+def test_a_tampered_session_cookie_is_no_session(client: TestClient) -> None:
+    login(client)
+    value = client.cookies.get(SESSION_COOKIE)
+    assert value
+    client.cookies.clear()
+    client.cookies.set(SESSION_COOKIE, value[:-3] + ("AAA" if not value.endswith("AAA") else "BBB"), path="/dashboard")
+    assert client.get("/dashboard/", follow_redirects=False).status_code == 303
+
+
+def test_logout_needs_the_csrf_token(client: TestClient, api: ProtocolClient) -> None:
+    new_sink(api, "orders")
+    login(client)
+    page = client.get("/dashboard/").text
+    client.post("/dashboard/logout", data={"csrf": "forged"}, follow_redirects=False)
+    assert client.get("/dashboard/", follow_redirects=False).status_code == 200  # still logged in
+    client.post("/dashboard/logout", data={"csrf": csrf_of(page)}, follow_redirects=False)
+    assert client.get("/dashboard/", follow_redirects=False).status_code == 303
+
+
+# --- viewer, admin, CSRF ---------------------------------------------------------------------
+
+
+def test_a_viewer_sees_everything_and_can_act_on_nothing(client: TestClient, api: ProtocolClient,
+                                                         coordinator: Coordinator) -> None:
+    gen = new_sink(api, "orders")
+    batch(api, "orders", gen, 0, [5], commit=False)
+    login(client, VIEWER, "bob")
+    assert 'data-testid="operator">bob · viewer' in client.get("/dashboard/").text
+    cp_page = client.get("/dashboard/sinks/orders/checkpoints/0").text
+    assert "action-abort-attempt" not in cp_page and "action-reset-lineage" not in client.get("/dashboard/sinks/orders").text
+
+    assert client.get("/dashboard/actions/abort-attempt?sink=orders&batch=0&attempt=1").status_code == 403
+    before = coordinator.snapshot()
+    r = client.post("/dashboard/actions/abort-attempt",
+                    data={"csrf": csrf_of(cp_page), "sink": "orders", "batch": "0", "attempt": "1", "reason": "x"})
+    assert r.status_code == 403 and "admin session" in r.text
+    assert check_unchanged(before, coordinator.snapshot()) == []
+    assert events(coordinator, "orders", "attempt_aborted") == []
+
+
+def test_an_admin_post_without_or_with_a_wrong_csrf_token_is_refused(client: TestClient, api: ProtocolClient,
+                                                                   coordinator: Coordinator) -> None:
+    gen = new_sink(api, "orders")
+    batch(api, "orders", gen, 0, [5], commit=False)
+    login(client)
+    before = coordinator.snapshot()
+    for data in ({}, {"csrf": ""}, {"csrf": "forged-token"}):
+        r = client.post("/dashboard/actions/abort-attempt",
+                        data={**data, "sink": "orders", "batch": "0", "attempt": "1", "reason": "forged"})
+        assert r.status_code == 403 and "CSRF" in r.text
+    r = client.post("/dashboard/actions/reset-lineage", data={"sink": "orders", "reason": "forged"})
+    assert r.status_code == 403
+    assert check_unchanged(before, coordinator.snapshot()) == []
+    assert coordinator.get_sink("orders").generation == gen
+
+
+def test_a_post_without_a_session_is_refused(client: TestClient, api: ProtocolClient) -> None:
+    new_sink(api, "orders")
+    r = client.post("/dashboard/actions/reset-lineage", data={"sink": "orders", "reason": "x", "csrf": "x"})
+    assert r.status_code == 401
+
+
+def test_the_api_tokens_do_not_open_the_dashboard(client: TestClient) -> None:
+    r = client.get("/dashboard/", headers={"Authorization": f"Bearer {ADMIN}"}, follow_redirects=False)
+    assert r.status_code == 303  # the dashboard's session, not a bearer token (no CSRF otherwise)
+
+
+# --- actions ---------------------------------------------------------------------------------
+
+
+def confirm_and_post(client: TestClient, path: str, reason: str) -> tuple[str, str]:
+    page = client.get(path)
+    assert page.status_code == 200, page.text
+    action = path.split("?")[0]
+    fields = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', page.text))
+    r = client.post(action, data={**fields, "reason": reason})
+    return page.text, r.text
+
+
+def test_abort_an_attempt_with_confirmation(client: TestClient, api: ProtocolClient, coordinator: Coordinator,
+                                            kafka: RecordingControlPlane) -> None:
+    gen = new_sink(api, "orders")
+    _, lids = batch(api, "orders", gen, 0, [5, 6], commit=False)
+    login(client)
+    confirm, done = confirm_and_post(client, "/dashboard/actions/abort-attempt?sink=orders&batch=0&attempt=1",
+                                     "driver is gone")
+    assert "Abort attempt 1 of batch 0 of sink orders" in confirm
+    assert 'data-testid="outcome">attempt 1 of batch 0 is ABORTED' in done
+    detail = coordinator.checkpoint_detail("orders", 0)
+    assert [a.state.value for a in detail.attempts] == ["ABORTED"] and detail.attempts[0].abort_reason == "driver is gone"
+    assert {x.state.value for x in detail.leases} == {"ABORTED"}
+    assert {tid for _, tid in kafka.aborts} == {x.transactional_id for x in detail.leases}
+    (ev,) = events(coordinator, "orders", "attempt_aborted")
+    assert ev["actor"] == "dashboard:alice" and ev["batch_id"] == 0
+    # the page says so after the fact, and a repeated action changes nothing
+    assert 'data-state="ABORTED"' in client.get("/dashboard/sinks/orders/checkpoints/0").text
+    confirm_and_post(client, "/dashboard/actions/abort-attempt?sink=orders&batch=0&attempt=1", "again")
+    assert len(events(coordinator, "orders", "attempt_aborted")) == 1
+
+
+def test_abort_of_a_decided_attempt_is_refused_with_the_reason(client: TestClient, api: ProtocolClient,
+                                                                coordinator: Coordinator) -> None:
+    gen = new_sink(api, "orders")
+    batch(api, "orders", gen, 0, [5])
+    login(client)
+    _, done = confirm_and_post(client, "/dashboard/actions/abort-attempt?sink=orders&batch=0&attempt=1", "oops")
+    assert "Abort an attempt: refused" in done and f"{e.COMMIT_DECIDED}: attempt 1 is COMMITTED" in done
+    assert coordinator.checkpoint_detail("orders", 0).checkpoint.state.value == "COMMITTED"
+
+
+def test_retry_a_decided_commit(client: TestClient, api: ProtocolClient, coordinator: Coordinator,
+                                kafka: RecordingControlPlane) -> None:
+    gen = new_sink(api, "orders")
+    attempt, lids = batch(api, "orders", gen, 0, [5], commit=False)
+    kafka.fail_next(UNREACHABLE)
+    api.commit("orders", 0, attempt, gen, {0: lids[0]}, expect=503)  # decided, not committed on Kafka
+    assert coordinator.checkpoint_detail("orders", 0).checkpoint.state.value == "COMMITTING"
+    login(client)
+    page = client.get("/dashboard/sinks/orders/checkpoints/0").text
+    assert 'data-testid="action-retry-commit"' in page
+    _, done = confirm_and_post(client, "/dashboard/actions/retry-commit?sink=orders&batch=0", "broker is back")
+    assert 'data-testid="outcome">batch 0 is COMMITTED' in done
+    assert coordinator.checkpoint_detail("orders", 0).checkpoint.state.value == "COMMITTED"
+    assert [t.transactional_id for _, t in kafka.commits] == ["orders-eos-0"]
+    (ev,) = events(coordinator, "orders", "commit_retried")
+    assert ev["actor"] == "dashboard:alice" and ev["batch_id"] == 0 and ev["detail"]["reason"] == "broker is back"
+    # an open checkpoint has no decided commit to retry: refused, nothing recorded
+    batch(api, "orders", gen, 1, [1], commit=False)
+    _, done = confirm_and_post(client, "/dashboard/actions/retry-commit?sink=orders&batch=1", "x")
+    assert e.NOT_COMMITTING in done
+    assert len(events(coordinator, "orders", "commit_retried")) == 1
+
+
+def test_acknowledge_lost_data(client: TestClient, api: ProtocolClient, coordinator: Coordinator,
+                               kafka: RecordingControlPlane) -> None:
+    gen = new_sink(api, "payments")
+    attempt, lids = batch(api, "payments", gen, 0, [5], commit=False)
+    kafka.fail_next(FENCED)
+    api.commit("payments", 0, attempt, gen, {0: lids[0]}, expect=409)
+    login(client)
+    overview = client.get("/dashboard/").text
+    assert attr(overview, "health", "data-kinds") == ["lost"]
+    sink_page = client.get("/dashboard/sinks/payments").text
+    assert 'data-testid="halted"' in sink_page and "producer_fenced" in sink_page
+    assert 'data-testid="lost-reason"' in client.get("/dashboard/sinks/payments/checkpoints/0").text
+
+    _, done = confirm_and_post(client, "/dashboard/actions/acknowledge-lost-data?sink=payments", "re-sent batch 0")
+    assert "lost data of batch(es) [0] acknowledged" in done
+    assert not coordinator.get_sink("payments").halted
+    (ev,) = events(coordinator, "payments", "lost_data_acknowledged")
+    assert ev["actor"] == "dashboard:alice" and ev["detail"]["operator"] == "alice"
+    assert ev["detail"]["reason"] == "re-sent batch 0"
+    assert attr(client.get("/dashboard/").text, "health", "data-level") == ["ok"]
+
+
+def test_reset_lineage(client: TestClient, api: ProtocolClient, coordinator: Coordinator) -> None:
+    gen = new_sink(api, "orders")
+    login(client)
+    _, done = confirm_and_post(client, "/dashboard/actions/reset-lineage?sink=orders", "new checkpoint location")
+    assert f"generation is now {gen + 1}" in done
+    sink = coordinator.get_sink("orders")
+    assert sink.lineage_query_id is None and sink.generation == gen + 1
+    (ev,) = events(coordinator, "orders", "lineage_reset")
+    assert ev["actor"] == "dashboard:alice" and ev["detail"]["reason"] == "new checkpoint location"
+
+
+def test_actions_name_what_is_missing(client: TestClient, api: ProtocolClient) -> None:
+    new_sink(api, "orders")
+    login(client)
+    assert client.get("/dashboard/actions/abort-attempt?sink=orders&batch=0").status_code == 422
+    assert client.get("/dashboard/actions/abort-attempt?sink=orders&batch=x&attempt=1").status_code == 422
+    assert client.get("/dashboard/actions/drop-everything?sink=orders").status_code == 404
+    assert client.get("/dashboard/actions/reset-lineage?sink=nosuch").status_code == 404
+    r = client.get("/dashboard/sinks/nosuch")
+    assert r.status_code == 404 and "no sink named &#39;nosuch&#39;" in r.text
+    assert client.get("/dashboard/sinks/orders/checkpoints/7").status_code == 404
+    page = client.get("/dashboard/actions/reset-lineage?sink=orders").text
+    r = client.post("/dashboard/actions/reset-lineage", data={"csrf": csrf_of(page), "sink": "orders", "reason": " "})
+    assert r.status_code == 422 and "give a reason" in r.text
+
+
+# --- what the pages show ---------------------------------------------------------------------
+
+
+def test_pages_show_the_figures_of_the_protocol(client: TestClient, api: ProtocolClient, coordinator: Coordinator,
+                                                clock: ManualClock) -> None:
+    gen = new_sink(api, "orders")
+    batch(api, "orders", gen, 0, [10, 20])
+    clock.advance(seconds=2)
+    batch(api, "orders", gen, 1, [7])
+    batch(api, "orders", gen, 2, [3], commit=False)  # pre-committed, attempt still open
+    clock.advance(seconds=1)
+    new_sink(api, "clicks")
+    login(client)
+
+    overview = client.get("/dashboard/").text
+    assert attr(overview, "sink-tile", "data-sink") == ["clicks", "orders"]
+    assert re.findall(r'data-testid="last-batch">([^<]*)<', overview) == ["none", "1"]
+    assert attr(overview, "health", "data-level") == ["ok", "ok"]
+
+    page = client.get("/dashboard/sinks/orders").text
+    assert re.findall(r'data-batch="(\d+)" data-value="([\d.]+)"', page.split('data-testid="chart-records"')[1]
+                      .split("</figure>")[0]) == [("0", "30"), ("1", "7")]
+    assert attr(page, "txn-bar", "data-percent") == ["1.7"]  # 1 s of 60 s
+    # ids come back to the pool after each commit: two ids served three batches
+    assert attr(page, "pool", "data-leased") == ["1"] and attr(page, "pool", "data-size") == ["2"]
+
+    clock.advance(seconds=48)  # 49 s of 60: past 80 %
+    overview = client.get("/dashboard/").text
+    assert attr(overview, "health", "data-kinds")[1] == "near_timeout"
+    page = client.get("/dashboard/sinks/orders").text
+    assert attr(page, "txn-bar", "data-percent") == ["81.7"]
+    assert re.search(r'class="bar-row warn" data-testid="txn-bar" data-tid="orders-eos-\d+"', page)
+
+    cp = client.get("/dashboard/sinks/orders/checkpoints/0").text
+    assert 'data-testid="checkpoint-state">COMMITTED<' in cp
+    leases = coordinator.checkpoint_detail("orders", 0).leases
+    assert re.findall(r'data-testid="producer-id">(\d+)<', cp) == [str(7000 + x.id) for x in leases]
+    assert re.findall(r'data-testid="records">([^<]+)<', cp) == ["30 / 300"]
+    assert re.findall(r'<tr data-kind="([a-z_]+)"', cp) == ["attempt_begun", "commit_decided", "checkpoint_committed"]
+
+
+def test_stuck_offsets_and_lingering_transactions(coordinator: Coordinator, kafka: RecordingControlPlane) -> None:
+    """The broker watch over the record-only control plane, whose observations the test sets."""
+    now = [1000.0]
+    watch = BrokerWatch(coordinator, min_stall_s=60, ttl_s=0, watch=PartitionWatch(clock=lambda: now[0]))
+    app = FastAPI()
+    api_app = create_app(coordinator, admin_token=ADMIN, token_secret=SECRET)
+    app.mount("/v1", api_app)  # not needed by the pages; the protocol calls go to api_app directly
+    app.mount("/dashboard", create_dashboard(coordinator, admin_token=ADMIN, token_secret=SECRET, broker=watch))
+    with TestClient(api_app) as raw, TestClient(app) as t:
+        api = ProtocolClient(raw, ADMIN)
+        gen = new_sink(api, "orders")
+        _, (lid,) = batch(api, "orders", gen, 0, [4], commit=False)
+        kafka.partitions = [PartitionStability("out", 0, high_watermark=50, last_stable_offset=40,
+                                               blocking_producer_id=7000 + lid, blocking_producer_epoch=2)]
+        kafka.open_transactions = [OpenTransaction("orders-eos-99", 4242, 0, "Ongoing", None, 60_000, (("out", 1),)),
+                                   OpenTransaction("orders-eos-0", 7000 + lid, 2, "Ongoing", None, 60_000, (("out", 0),))]
+        login(t)
+        first = t.get("/dashboard/sinks/orders").text
+        assert 'data-testid="no-stuck"' in first  # one observation: cannot tell a stall yet
+        assert re.findall(r'<tr class="warn"><td>([^<]+)</td>', first) == ["orders-eos-99"]  # explained one left out
+        now[0] += 61
+        overview = t.get("/dashboard/").text
+        assert attr(overview, "health", "data-level") == ["critical"]
+        assert attr(overview, "health", "data-kinds") == ["lingering stuck"]
+        page = t.get("/dashboard/sinks/orders").text
+        stuck = page.split('data-testid="stuck"')[1].split("</table>")[0]
+        assert "out-0" in stuck and ">40<" in stuck and ">50<" in stuck
+        assert f"orders-eos-0 (lease {lid}, PRECOMMITTED" in stuck
+        kafka.partitions = [PartitionStability("out", 0, high_watermark=50, last_stable_offset=50)]
+        kafka.open_transactions = []
+        now[0] += 1
+        assert attr(t.get("/dashboard/").text, "health", "data-level") == ["ok"]
+    watch.close()
+
+
+def test_names_are_escaped_and_the_wall_screen_flag_sets_large_type(client: TestClient, api: ProtocolClient) -> None:
+    new_sink(api, "orders")
+    login(client, who="<script>alert(1)</script>")
+    page = client.get("/dashboard/").text
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert '<body class=""' in page and 'data-refresh="5"' in page
+    assert '<body class="tv"' in client.get("/dashboard/?tv=1").text

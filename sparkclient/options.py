@@ -32,7 +32,6 @@ RESERVED_PRODUCER_SETTINGS = {
 PRODUCER_DEFAULTS: dict[str, Any] = {
     "linger.ms": 20,
     "batch.size": 1_000_000,
-    "compression.type": "lz4",
     "queue.buffering.max.messages": 500_000,
 }
 _BOOLEAN = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}

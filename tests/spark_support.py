@@ -109,20 +109,23 @@ class FailTask:
 
 @dataclass(frozen=True)
 class KillGroup:
-    """SIGKILL the whole process group (driver, JVM, Python workers: the machine dies) at a step
-    of a batch. Only for drivers started in their own session by the crash tests."""
+    """SIGKILL the crash-test driver's process group (Python driver and JVM) and the calling
+    process at a step of a batch. Python workers run in a process group of their own: other
+    running tasks may go on briefly, as executors outliving their driver do, until their JVM's
+    end stops them (the restarted driver's generation fences whatever they still send)."""
 
     step: str
     batch_id: int | None = None
 
     def __call__(self, step: str, **info: Any) -> None:
         if step == self.step and (self.batch_id is None or info.get("batch_id") == self.batch_id):
-            group = os.getpgrp()
-            if group != int(os.environ.get("SPARK_CRASH_TEST_GROUP", "-1")):
-                raise AssertionError("KillGroup only runs in a crash-test driver's own process group")
+            group = os.environ.get("SPARK_CRASH_TEST_GROUP")
+            if group is None:
+                raise AssertionError("KillGroup only runs under a crash-test driver (tests/spark_crash_driver.py)")
             sys.stdout.write(f"[driver] killing process group at {step} (batch {info.get('batch_id')})\n")
             sys.stdout.flush()
-            os.killpg(group, signal.SIGKILL)
+            os.killpg(int(group), signal.SIGKILL)  # the driver and its JVM
+            os.kill(os.getpid(), signal.SIGKILL)  # a Python worker runs in a group of its own
 
 
 # --- reading the outcome --------------------------------------------------------------------------
@@ -223,3 +226,30 @@ def assert_exactly_once(out: Outcome, expected_values: list[str], sink: str, boo
                 markers.add((b.producer_id, b.producer_epoch))
     for lease in out.winners.values():
         assert (lease["producer_id"], lease["producer_epoch"]) in markers, f"no COMMIT marker for {lease}"
+
+
+@dataclass(frozen=True)
+class KillWhenDecided:
+    """At `before_commit` of a batch (any batch if None), start a watcher that SIGKILLs the
+    process group as soon as the coordinator shows the commit decided (checkpoint COMMITTING),
+    while the driver's commit call is still waiting for Kafka (the test holds EndTxn)."""
+
+    coordinator_url: str
+    token: str
+    sink: str
+    batch_id: int | None = None
+
+    def __call__(self, step: str, **info: Any) -> None:
+        if step != "before_commit" or (self.batch_id is not None and info.get("batch_id") != self.batch_id):
+            return
+        import threading
+
+        batch = info["batch_id"]
+
+        def watch() -> None:
+            with CoordinatorClient(self.coordinator_url, self.token, self.sink) as c:
+                while c.checkpoint(batch)["checkpoint"]["state"] != "COMMITTING":
+                    time.sleep(0.02)
+            KillGroup("decided")("decided", batch_id=batch)
+
+        threading.Thread(target=watch, daemon=True).start()

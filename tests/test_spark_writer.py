@@ -285,3 +285,43 @@ def test_the_client_retries_until_the_coordinator_answers_and_explains_refusals(
     with CoordinatorClient(late.url, ADMIN, "late", retry_budget_s=1.0, backoff_max_s=0.2) as gone, \
             pytest.raises(CoordinatorError, match="no answer after .* tries .*check that the coordinator"):
         gone.describe_sink()
+
+
+def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for_the_commit(
+    service: ServiceProcess, tansu: TansuBroker  # noqa: F811
+) -> None:
+    """The executor side without Spark around it (Python workers are reused across tasks): after
+    each task the process has exactly the native threads it had before (librdkafka's are gone),
+    and releasing the producer left its pre-committed transaction open, so the coordinator's
+    resume-commit succeeds (confluent-kafka's Producer.close() would have aborted it)."""
+    import gc
+    import os
+
+    from kafka_broker import partition_log
+    from sparkclient.executor import TaskSpec, write_partition
+
+    topic = tansu.create_topic(1)
+    token = register(service, "tasks", tansu.bootstrap, topic)
+
+    def native_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    with CoordinatorClient(service.url, token, "tasks") as c:
+        gen = c.start_generation("query-tasks", "run-1")["generation"]
+        before = native_threads()
+        for batch in range(3):
+            attempt = c.begin(batch, gen)["attempt"]
+            spec = TaskSpec(service.url, token, "tasks", 30_000, 60_000, batch, attempt, gen, tansu.bootstrap,
+                            {"linger.ms": 5}, topic, ("key", "value"), True)
+            (result,) = list(write_partition(spec, 0, [(f"k{batch}-{i}", f"v{batch}-{i}") for i in range(50)]))
+            gc.collect()
+            assert native_threads() == before, f"batch {batch}: threads left behind"
+            assert result.records == 50 and result.lease_id is not None and result.write_ms >= 0
+            assert partition_log(tansu.bootstrap, topic, 0).has_open_transaction  # released, not ended
+            answer = c.commit(batch, attempt, gen, {0: result.lease_id})
+            assert answer["state"] == "COMMITTED" and answer["committed"][0]["records"] == 50
+            log = partition_log(tansu.bootstrap, topic, 0)
+            assert not log.has_open_transaction
+            assert log.markers(answer["committed"][0]["producer_id"])[-1] == "commit"
+        (empty,) = list(write_partition(spec, 4, []))  # an empty partition: no lease, no producer
+        assert empty.lease_id is None and native_threads() == before

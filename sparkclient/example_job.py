@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 from .client import CoordinatorClient, CoordinatorError
@@ -153,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             print("[example_job] the query stopped before all records were committed", file=sys.stderr, flush=True)
             return 1
         print(f"[example_job] all {total} records committed", flush=True)
+        for _ in range(100):  # stop between triggers, not in the middle of the next batch
+            if not query.status["isTriggerActive"]:
+                break
+            time.sleep(0.05)
         return 0
     finally:
         if query.isActive:

@@ -250,7 +250,7 @@ def create_app(
 
     @app.post("/v1/sinks/{name}/leases/{lease_id}/precommit", tags=["protocol"], responses=ERRORS)
     def precommit(name: SinkName, lease_id: LeaseId, body: PrecommitBody, _: Writer) -> LeaseOut:
-        req = PrecommitRequest(body.producer_id, body.producer_epoch, body.records, body.bytes)
+        req = PrecommitRequest(body.producer_id, body.producer_epoch, body.records, body.bytes, body.write_ms)
         return LeaseOut.of(coordinator.precommit(name, lease_id, body.generation, req))
 
     @app.post(
@@ -258,7 +258,7 @@ def create_app(
     )
     def commit(name: SinkName, batch_id: BatchId, attempt: AttemptNo, body: CommitRequest, who: Writer) -> CommitOut:
         results = [PartitionResult(p.partition, p.lease_id) for p in body.partitions]
-        return CommitOut.of(coordinator.commit(name, batch_id, attempt, body.generation, results, who.actor))
+        return CommitOut.of(coordinator.commit(name, batch_id, attempt, body.generation, results, who.actor, body.job_ms))
 
     @app.post(
         "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/abort", tags=["protocol"], responses=ERRORS

@@ -68,6 +68,7 @@ class PrecommitBody(Request):
     producer_epoch: Annotated[int, Field(ge=0, le=32767)]
     records: Annotated[int, Field(ge=1, description="an empty partition takes no lease and never pre-commits")]
     bytes: Annotated[int, Field(ge=0)]
+    write_ms: Annotated[int | None, Field(ge=0, description="the task's produce + flush time, for throughput figures")] = None
 
 
 class PartitionResultBody(Request):
@@ -78,6 +79,7 @@ class PartitionResultBody(Request):
 class CommitRequest(Request):
     generation: Generation
     partitions: list[PartitionResultBody] = Field(description="every partition 0..N-1 of the attempt, once")
+    job_ms: Annotated[int | None, Field(ge=0, description="the driver's Spark write job, start to end")] = None
 
 
 class AbortRequest(Request):
@@ -134,6 +136,7 @@ class AttemptOut(BaseModel):
     decided_at: datetime | None
     finished_at: datetime | None
     abort_reason: str | None
+    job_ms: int | None = Field(None, description="the driver's Spark write job (reported with the commit)")
 
     @classmethod
     def of(cls, a: Attempt) -> AttemptOut:
@@ -172,6 +175,7 @@ class LeaseOut(BaseModel):
     bytes: int | None
     precommitted_at: datetime | None
     resolved_at: datetime | None
+    write_ms: int | None = Field(None, description="the task's produce + flush time (reported with the pre-commit)")
 
     @classmethod
     def of(cls, x: Lease, attempt: int | None = None) -> LeaseOut:

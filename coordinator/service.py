@@ -578,6 +578,7 @@ class Coordinator:
                 producer_epoch=request.producer_epoch,
                 records=request.records,
                 bytes=request.bytes,
+                write_ms=request.write_ms,
                 precommitted_at=now,
             )
             return repo.as_lease(row)
@@ -594,7 +595,10 @@ class Coordinator:
         generation: int,
         results: Sequence[PartitionResult],
         actor: str,
+        job_ms: int | None = None,
     ) -> CommitResult:
+        """Decide and finish the commit of an attempt. `job_ms` (the driver's write-job time) is
+        stored on the attempt with the decision, for operators' throughput figures."""
         if self.control_plane is None:
             raise e.Unavailable(
                 e.NO_CONTROL_PLANE,
@@ -647,7 +651,7 @@ class Coordinator:
             (cp_row,) = repo.cas(conn, checkpoints, [cp.id], [CheckpointState.OPEN], CheckpointState.COMMITTING,
                                  decided_at=now, committed_attempt=attempt_number)
             (attempt_row,) = repo.cas(conn, attempts, [attempt.id], [AttemptState.OPEN], AttemptState.COMMITTING,
-                                      decided_at=now, partitions=len(results))
+                                      decided_at=now, partitions=len(results), job_ms=job_ms)
             winners = repo.cas(conn, leases, [w.id for w in plan.winners], [LeaseState.PRECOMMITTED], LeaseState.COMMITTING)
             losers = repo.cas(conn, leases, [x.id for x in plan.losers], UNDECIDED_LEASE_STATES, LeaseState.ABORTING)
             repo.add_event(

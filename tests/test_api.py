@@ -158,6 +158,30 @@ def test_full_cycle(admin: ProtocolClient, coordinator: Coordinator, kafka: Reco
     assert check_invariants(snap, settled=True) == []
 
 
+def test_batch_figures_are_stored_and_read_back(admin: ProtocolClient) -> None:
+    """Per-batch figures for operators: the executor's write time comes with the pre-commit and is
+    kept on the lease, the driver's job time comes with the commit and is kept on the attempt;
+    both are optional, and a retried pre-commit with another write time is still the same one."""
+    w, gen, attempt = setup_attempt(admin)
+    l0 = w.lease(SINK, 0, attempt, gen, partition=0, task_attempt_id=1)
+    l1 = w.lease(SINK, 0, attempt, gen, partition=1, task_attempt_id=2)
+    body = {"generation": gen, "producer_id": 51, "producer_epoch": 0, "records": 4, "bytes": 40, "write_ms": 37}
+    assert w.request("POST", f"/v1/sinks/{SINK}/leases/{l0['lease_id']}/precommit", body)["write_ms"] == 37
+    again = w.request("POST", f"/v1/sinks/{SINK}/leases/{l0['lease_id']}/precommit", {**body, "write_ms": 99})
+    assert again["write_ms"] == 37 and again["state"] == "PRECOMMITTED"
+    assert w.precommit(SINK, l1["lease_id"], gen, producer_id=52)["write_ms"] is None  # optional
+    bad = w.request("POST", f"/v1/sinks/{SINK}/leases/{l0['lease_id']}/precommit", {**body, "write_ms": -1},
+                    expect=None)
+    assert invalid_fields(bad) == ["write_ms"]
+    commit = {"generation": gen, "job_ms": 1234, "partitions": [
+        {"partition": 0, "lease_id": l0["lease_id"]}, {"partition": 1, "lease_id": l1["lease_id"]}]}
+    assert w.request("POST", f"/v1/sinks/{SINK}/checkpoints/0/attempts/{attempt}/commit", commit)["state"] == "COMMITTED"
+    detail = w.checkpoint(SINK, 0)
+    assert [a["job_ms"] for a in detail["attempts"]] == [1234]
+    assert {x["partition"]: (x["records"], x["bytes"], x["write_ms"]) for x in detail["leases"]} == {
+        0: (4, 40, 37), 1: (10, 1000, None)}
+
+
 def test_abort_by_driver_then_new_attempt(admin: ProtocolClient, coordinator: Coordinator) -> None:
     w, gen, attempt = setup_attempt(admin)
     l0 = w.lease(SINK, 0, attempt, gen, partition=0, task_attempt_id=1)

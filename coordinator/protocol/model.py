@@ -78,6 +78,7 @@ class Attempt(_Record):
     decided_at: datetime | None
     finished_at: datetime | None
     abort_reason: str | None
+    job_ms: int | None = None  # the driver's Spark write job, start to end (reported with the commit)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class Lease(_Record):
     bytes: int | None
     precommitted_at: datetime | None
     resolved_at: datetime | None
+    write_ms: int | None = None  # the executor's produce + flush time (reported with the pre-commit)
 
 
 @dataclass(frozen=True)

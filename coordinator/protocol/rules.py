@@ -211,6 +211,7 @@ class PrecommitRequest:
     producer_epoch: int
     records: int
     bytes: int
+    write_ms: int | None = None  # a figure for operators, not part of the transaction's identity
 
 
 def precommit_already_recorded(lease: Lease, request: PrecommitRequest) -> bool:

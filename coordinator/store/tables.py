@@ -101,6 +101,7 @@ attempts = Table(
     Column("decided_at", TS, nullable=True),
     Column("finished_at", TS, nullable=True),
     Column("abort_reason", String(200), nullable=True),
+    Column("job_ms", BigInteger, nullable=True),
     UniqueConstraint("checkpoint_id", "number"),
     _states("OPEN", "COMMITTING", "COMMITTED", "ABORTED", "LOST"),
     # "every open attempt of this sink" at begin checkpoint and generation start
@@ -141,6 +142,7 @@ leases = Table(
     Column("bytes", BigInteger, nullable=True),
     Column("precommitted_at", TS, nullable=True),
     Column("resolved_at", TS, nullable=True),
+    Column("write_ms", BigInteger, nullable=True),
     UniqueConstraint("attempt_id", "partition", "task_attempt_id"),
     _states("LEASED", "PRECOMMITTED", "COMMITTING", "COMMITTED", "ABORTING", "ABORTED", "LOST_ABORTING", "LOST"),
     Index(None, "checkpoint_id"),

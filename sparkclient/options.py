@@ -1,0 +1,114 @@
+"""The writer's options, spelled like Spark's own Kafka sink plus the coordinator's.
+
+| option | required | meaning |
+| --- | --- | --- |
+| `kafka.bootstrap.servers` | yes | the Kafka cluster |
+| `topic` | unless the DataFrame has a `topic` column | output topic; overrides the column, as in Spark |
+| `kafka.<setting>` | no | passed to the confluent-kafka producer (librdkafka spelling) |
+| `coordinator.url` | yes | the coordinator's base URL |
+| `coordinator.token` | yes | the sink's writer token |
+| `coordinator.sink` | yes | the sink's name |
+| `checkpointLocation` | yes | the query's checkpoint location (its `metadata` file holds the lineage) |
+| `transaction.timeout.ms` | no | expected sink transaction timeout; the first batch fails if the sink's differs |
+| `coordinator.request.timeout.ms` | no (30000) | per HTTP request |
+| `coordinator.retry.budget.ms` | no (120000) | total retry time of one call (connection errors, 5xx) |
+| `provenance.headers` | no (false) | add `eos-sink`, `eos-batch-id`, `eos-attempt`, `eos-lease-id` headers |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Set by the writer from the protocol; a user value would break exactly-once, so it is refused.
+RESERVED_PRODUCER_SETTINGS = {
+    "transactional.id": "the coordinator leases one per task attempt",
+    "enable.idempotence": "always true for transactions",
+    "transaction.timeout.ms": "it is the sink's transaction_timeout_ms; set it when registering the sink",
+    "bootstrap.servers": "use kafka.bootstrap.servers",
+}
+# Throughput-minded defaults for a producer that writes one partition's batch and then flushes.
+PRODUCER_DEFAULTS: dict[str, Any] = {
+    "linger.ms": 20,
+    "batch.size": 1_000_000,
+    "queue.buffering.max.messages": 500_000,
+}
+_BOOLEAN = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+class WriterOptionError(ValueError):
+    """An option is missing or invalid; the message names it and what to set."""
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    bootstrap_servers: str
+    coordinator_url: str
+    coordinator_token: str
+    sink: str
+    checkpoint_location: str
+    topic: str | None = None
+    producer_config: dict[str, Any] = field(default_factory=dict)
+    transaction_timeout_ms: int | None = None
+    request_timeout_ms: int = 30_000
+    retry_budget_ms: int = 120_000
+    provenance_headers: bool = False
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> WriterOptions:
+        opts = {str(k): v for k, v in options.items()}
+
+        def required(name: str) -> str:
+            value = opts.pop(name, None)
+            if value is None or str(value).strip() == "":
+                raise WriterOptionError(f"option {name!r} is required")
+            return str(value)
+
+        def integer(name: str, default: int | None) -> int | None:
+            value = opts.pop(name, None)
+            if value is None:
+                return default
+            try:
+                number = int(value)
+            except (TypeError, ValueError):
+                raise WriterOptionError(f"option {name!r} must be an integer, got {value!r}") from None
+            if number <= 0:
+                raise WriterOptionError(f"option {name!r} must be positive, got {number}")
+            return number
+
+        bootstrap = required("kafka.bootstrap.servers")
+        url = required("coordinator.url")
+        token = required("coordinator.token")
+        sink = required("coordinator.sink")
+        checkpoint = required("checkpointLocation")
+        topic = opts.pop("topic", None)
+        timeout = integer("transaction.timeout.ms", None)
+        request_timeout = integer("coordinator.request.timeout.ms", 30_000)
+        budget = integer("coordinator.retry.budget.ms", 120_000)
+        provenance_raw = opts.pop("provenance.headers", False)
+        provenance = _BOOLEAN.get(str(provenance_raw).lower()) if not isinstance(provenance_raw, bool) else provenance_raw
+        if provenance is None:
+            raise WriterOptionError(f"option 'provenance.headers' must be true or false, got {provenance_raw!r}")
+
+        producer = dict(PRODUCER_DEFAULTS)
+        for name in list(opts):
+            if not name.startswith("kafka."):
+                continue
+            setting = name[len("kafka."):]
+            if setting in RESERVED_PRODUCER_SETTINGS:
+                raise WriterOptionError(f"option {name!r} cannot be set: {RESERVED_PRODUCER_SETTINGS[setting]}")
+            if setting == "acks" and str(opts[name]).lower() not in ("all", "-1"):
+                raise WriterOptionError(f"option {name!r} must be 'all' for transactions, got {opts[name]!r}")
+            producer[setting] = opts.pop(name)
+        if opts:
+            known = "kafka.bootstrap.servers, topic, kafka.*, coordinator.url, coordinator.token, coordinator.sink, " \
+                    "checkpointLocation, transaction.timeout.ms, coordinator.request.timeout.ms, " \
+                    "coordinator.retry.budget.ms, provenance.headers"
+            raise WriterOptionError(f"unknown option(s) {sorted(opts)}; known options: {known}")
+        return cls(
+            bootstrap_servers=bootstrap, coordinator_url=url, coordinator_token=token, sink=sink,
+            checkpoint_location=checkpoint, topic=str(topic) if topic else None, producer_config=producer,
+            transaction_timeout_ms=timeout, request_timeout_ms=request_timeout or 30_000,
+            retry_budget_ms=budget or 120_000, provenance_headers=bool(provenance),
+        )

@@ -1,0 +1,233 @@
+"""Driver side: the foreachBatch function that makes a micro-batch one exactly-once checkpoint.
+
+    writer = ExactlyOnceKafkaWriter({...options...})
+    df.writeStream.foreachBatch(writer).option("checkpointLocation", path).start()
+
+Per batch (DESIGN §3): check the schema (before anything is written); on the first batch of a run,
+read the lineage (Spark's query id in the checkpoint location's `metadata` file) and start a
+generation; `begin` the checkpoint (skip a batch already committed, finishing a decided commit
+first); run the write job over the executors (one task per partition, sparkclient/executor.py);
+take the winner of each partition from the task results Spark accepted; commit. A refused commit
+or a failed job raises, so the query stops and Spark replays the batch when it is restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .client import CoordinatorClient, CoordinatorError
+from .executor import FaultHook, TaskResult, TaskSpec, write_partition
+from .options import WriterOptionError, WriterOptions
+from .schema import check_schema
+
+log = logging.getLogger(__name__)
+
+# local properties Spark sets on the thread that runs foreachBatch
+QUERY_ID_PROPERTY = "sql.streaming.queryId"
+RUN_ID_PROPERTY = "spark.jobGroup.id"  # StreamExecution runs every batch in a job group named by its run id
+
+
+class LineageError(RuntimeError):
+    """The checkpoint location does not belong to the running query, or has no metadata."""
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What one foreachBatch call did, with its figures (also logged, one line per batch)."""
+
+    batch_id: int
+    action: str  # "committed", "skipped" (already committed), "resumed" (a decided commit finished, then skipped)
+    attempt: int | None
+    partitions: int = 0
+    records: int = 0
+    bytes: int = 0
+    job_ms: int = 0
+    commit_ms: int = 0
+    total_ms: int = 0
+    winners: dict[int, int | None] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return (f"batch={self.batch_id} action={self.action} attempt={self.attempt} partitions={self.partitions} "
+                f"records={self.records} bytes={self.bytes} job_ms={self.job_ms} commit_ms={self.commit_ms} "
+                f"total_ms={self.total_ms}")
+
+
+class ExactlyOnceKafkaWriter:
+    """The foreachBatch function. Options are spelled like Spark's Kafka sink plus the
+    coordinator's, given as one mapping (sparkclient/options.py).
+
+    `on_batch` is called on the driver with each BatchReport. `fault_hook` is for tests only: it
+    is called at named steps (driver: "before_commit", "after_commit"; executor: "after_lease",
+    "before_precommit", "after_precommit") and may raise or kill the process there.
+    """
+
+    def __init__(self, options: Mapping[str, Any], *, on_batch: Callable[[BatchReport], None] | None = None,
+                 fault_hook: FaultHook | None = None) -> None:
+        self.options = WriterOptions.parse(options)
+        self.on_batch = on_batch
+        self.fault_hook = fault_hook
+        self._run_id: str | None = None
+        self._generation: int | None = None
+        self._fallback_run_id = str(uuid.uuid4())  # if Spark does not say (not seen with Spark 4.x)
+        self._client: CoordinatorClient | None = None
+        self._sink_checked = False
+
+    # --- the foreachBatch call ----------------------------------------------------------------
+
+    def __call__(self, df: Any, batch_id: int) -> None:
+        started = time.monotonic()
+        o = self.options
+        columns = check_schema(df.schema, topic_option=o.topic)  # before anything is written
+        client = self._driver_client()
+        generation = self._ensure_generation(df)
+        begun = client.begin(batch_id, generation)
+        if begun["action"] == "skip":
+            report = BatchReport(batch_id, "resumed" if begun["resumed"] else "skipped", None,
+                                 total_ms=_ms_since(started))
+            self._report(report)
+            return
+        attempt = int(begun["attempt"])
+        spec = TaskSpec(
+            coordinator_url=o.coordinator_url, coordinator_token=o.coordinator_token, sink=o.sink,
+            request_timeout_ms=o.request_timeout_ms, retry_budget_ms=o.retry_budget_ms, batch_id=batch_id,
+            attempt=attempt, generation=generation, bootstrap_servers=o.bootstrap_servers,
+            producer_config=o.producer_config, topic=o.topic, columns=columns.columns,
+            provenance_headers=o.provenance_headers, fault_hook=self.fault_hook,
+        )
+        job_started = time.monotonic()
+        try:
+            results, partitions = _run_write_job(df.select(*columns.columns), spec)
+        except BaseException as exc:
+            # the job failed (a task exhausted its retries, or the query is stopping): end this
+            # attempt's transactions now rather than wait for the next begin or the recovery loop
+            try:
+                client.abort(batch_id, attempt, generation, f"spark write job failed: {type(exc).__name__}")
+            except CoordinatorError as abort_error:
+                log.warning("batch %d: could not abort attempt %d after the job failed: %s", batch_id, attempt,
+                            abort_error)
+            raise
+        job_ms = _ms_since(job_started)
+        winners = winners_of(results, partitions)
+        self._hook("before_commit", batch_id=batch_id, attempt=attempt, generation=generation, winners=winners)
+        commit_started = time.monotonic()
+        answer = client.commit(batch_id, attempt, generation, winners, job_ms)  # a refusal raises: Spark replays
+        if answer["state"] != "COMMITTED":
+            raise RuntimeError(f"batch {batch_id}: the coordinator answered state {answer['state']} to the commit")
+        commit_ms = _ms_since(commit_started)
+        for warning in answer.get("warnings", []):
+            log.warning("batch %d: %s", batch_id, warning)
+        self._hook("after_commit", batch_id=batch_id, attempt=attempt, generation=generation, winners=winners)
+        accepted = [r for r in results if r.lease_id is not None]
+        self._report(BatchReport(
+            batch_id, "committed", attempt, partitions, sum(r.records for r in accepted),
+            sum(r.bytes for r in accepted), job_ms, commit_ms, _ms_since(started), winners,
+        ))
+
+    # --- driver helpers -----------------------------------------------------------------------
+
+    def _driver_client(self) -> CoordinatorClient:
+        if self._client is None:
+            o = self.options
+            self._client = CoordinatorClient(o.coordinator_url, o.coordinator_token, o.sink,
+                                             timeout_s=o.request_timeout_ms / 1000,
+                                             retry_budget_s=o.retry_budget_ms / 1000)
+        if not self._sink_checked:
+            sink = self._client.describe_sink()
+            expected = self.options.transaction_timeout_ms
+            if expected is not None and sink["transaction_timeout_ms"] != expected:
+                raise WriterOptionError(
+                    f"option 'transaction.timeout.ms' is {expected} but sink {self.options.sink!r} is registered "
+                    f"with transaction_timeout_ms={sink['transaction_timeout_ms']}; the producers use the sink's. "
+                    "Drop the option or register the sink with the timeout you want")
+            self._sink_checked = True
+        return self._client
+
+    def _ensure_generation(self, df: Any) -> int:
+        """A generation per run of the query: the first batch of a run starts one, fencing every
+        older driver. Spark runs each batch under a job group named by the run id (new at every
+        start of the query), so a query restarted in the same process starts a new generation."""
+        sc = df.sparkSession.sparkContext
+        run_id = sc.getLocalProperty(RUN_ID_PROPERTY) or self._fallback_run_id
+        if self._generation is not None and run_id == self._run_id:
+            return self._generation
+        query_id = read_query_id(df.sparkSession, self.options.checkpoint_location)
+        running_query = sc.getLocalProperty(QUERY_ID_PROPERTY)
+        if running_query and running_query != query_id:
+            raise LineageError(
+                f"option checkpointLocation={self.options.checkpoint_location!r} holds query id {query_id}, but the "
+                f"running query is {running_query}: give the writer the same checkpointLocation as the query")
+        answer = self._driver_client().start_generation(query_id, run_id)
+        self._generation, self._run_id = int(answer["generation"]), run_id
+        log.info("sink %s: generation %d for query %s run %s (older transactions aborted: %d, pending: %d)",
+                 self.options.sink, self._generation, query_id, run_id, len(answer["aborted"]),
+                 len(answer["abort_pending"]))
+        return self._generation
+
+    def _hook(self, step: str, **info: Any) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(step, **info)
+
+    def _report(self, report: BatchReport) -> None:
+        log.info("sink %s %s", self.options.sink, report.line())
+        if self.on_batch is not None:
+            self.on_batch(report)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _run_write_job(df: Any, spec: TaskSpec) -> tuple[list[TaskResult], int]:
+    """One task per partition; `collect` returns exactly one result per partition: the one of the
+    task attempt Spark accepted (a retried or speculative copy's result is discarded)."""
+    rdd = df.rdd.mapPartitionsWithIndex(lambda index, rows: write_partition(spec, index, rows))
+    partitions = rdd.getNumPartitions()
+    if partitions == 0:
+        return [], 0
+    return rdd.collect(), partitions
+
+
+def winners_of(results: list[TaskResult], partitions: int) -> dict[int, int | None]:
+    """Partition -> winning lease id (None when empty), for every partition 0..N-1."""
+    winners: dict[int, int | None] = {}
+    for r in results:
+        if r.partition in winners:
+            raise RuntimeError(f"two accepted results for partition {r.partition}: {winners[r.partition]} and "
+                               f"{r.lease_id}")
+        winners[r.partition] = r.lease_id
+    missing = [p for p in range(partitions) if p not in winners]
+    if missing:
+        raise RuntimeError(f"no task result for partitions {missing} of {partitions}")
+    return winners
+
+
+def read_query_id(spark: Any, checkpoint_location: str) -> str:
+    """Spark's query id from `<checkpointLocation>/metadata` (a JSON line {"id": ...}), read through
+    Hadoop's FileSystem so any location Spark can use (local, HDFS, S3A...) works."""
+    jvm = spark.sparkContext._jvm
+    path = jvm.org.apache.hadoop.fs.Path(checkpoint_location.rstrip("/") + "/metadata")
+    fs = path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    if not fs.exists(path):
+        raise LineageError(f"{checkpoint_location}/metadata does not exist: is checkpointLocation the query's "
+                           "checkpoint location?")
+    stream = fs.open(path)
+    try:
+        reader = jvm.java.io.BufferedReader(jvm.java.io.InputStreamReader(stream, "UTF-8"))
+        line = reader.readLine()
+    finally:
+        stream.close()
+    try:
+        return str(json.loads(line)["id"])
+    except (TypeError, ValueError, KeyError):
+        raise LineageError(f"{checkpoint_location}/metadata has no query id: {line!r}") from None
+
+
+def _ms_since(t: float) -> int:
+    return int((time.monotonic() - t) * 1000)

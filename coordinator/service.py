@@ -67,6 +67,9 @@ class Limits:
     max_partitions: int = 4096
     broker_max_transaction_timeout_ms: int = 900_000  # Kafka's default transaction.max.timeout.ms
     restart_budget_ms: int = 60_000
+    # Kafka commits/aborts of one checkpoint run this many at a time; 1 runs them in order (the
+    # simulation needs that, so a seed replays the same schedule).
+    kafka_parallelism: int = 16
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ class Coordinator:
         self.control_plane = control_plane
         self.clock = clock or SystemClock()
         self.limits = limits or Limits()
-        self._kafka_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kafka-control")
+        self._kafka_pool = ThreadPoolExecutor(max_workers=self.limits.kafka_parallelism, thread_name_prefix="kafka-control")
 
     def close(self) -> None:
         self._kafka_pool.shutdown(wait=True)
@@ -1036,7 +1039,7 @@ class Coordinator:
         return AbortOutcome(aborted=[*already, *(x.transactional_id for x in done)], pending=[*elsewhere, *failed])
 
     def _parallel(self, fn: Callable[[Lease], T], items: Sequence[Lease]) -> list[T]:
-        if len(items) <= 1:
+        if len(items) <= 1 or self.limits.kafka_parallelism == 1:
             return [fn(x) for x in items]
         return list(self._kafka_pool.map(fn, items))
 

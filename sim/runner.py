@@ -119,7 +119,7 @@ class Replica:
     def start(self) -> None:
         sim = self.sim
         plane = ModelControlPlane(sim.model, hook=sim.injector.kafka_hook)
-        c = Coordinator(sim.engine, plane, clock=sim.clock, limits=Limits(max_partitions=64))
+        c = Coordinator(sim.engine, plane, clock=sim.clock, limits=Limits(max_partitions=64, kafka_parallelism=1))
         c._kafka_pool.shutdown(wait=False)
         c._kafka_pool = _SyncPool()  # type: ignore[assignment]
         self.coordinator = c

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 from coordinator.dashboard.health import Level, Thresholds, sink_health, timeout_bars
@@ -135,7 +136,7 @@ def test_batch_figures_sum_the_winning_precommits_only() -> None:
     ]
     row = batch_row(CheckpointDetail(cp, [first, second], leases))
     assert (row.records, row.bytes) == (42, 4200)
-    assert row.durations == {"batch_ms": 1_000, "commit_ms": 300, "total_ms": 1_800}
+    assert row.durations == {"batch_ms": 1_000, "job_ms": None, "commit_ms": 300, "total_ms": 1_800}
     assert [k for k, _, _ in DURATIONS] == list(row.durations)
 
     open_cp = checkpoint(5, CheckpointState.OPEN)
@@ -145,6 +146,18 @@ def test_batch_figures_sum_the_winning_precommits_only() -> None:
     by_key = {ch.key: ch for ch in charts([undecided, row])}
     assert [(b.label, b.value) for b in by_key["records"].bars] == [("4", 42)]
     assert [(b.label, b.value) for b in by_key["commit_ms"].bars] == [("4", 300)]
+    assert by_key["records_per_s"].bars == []  # no job time reported: no throughput bar
+
+
+def test_throughput_is_records_over_the_drivers_job_time() -> None:
+    cp = checkpoint(6, CheckpointState.COMMITTED, created=0, decided=1_500, committed=1_800)
+    decided = dataclasses.replace(attempt(cp, AttemptState.COMMITTED, decided=1_500), job_ms=400)
+    winner = lease(1, LeaseState.COMMITTED, cp_id=cp.id, attempt_id=decided.id, records=1_000)
+    row = batch_row(CheckpointDetail(cp, [decided], [winner]))
+    assert row.durations["job_ms"] == 400
+    by_key = {ch.key: ch for ch in charts([row])}
+    assert [(b.label, b.value) for b in by_key["records_per_s"].bars] == [("6", 2_500.0)]
+    assert [(b.label, b.value) for b in by_key["job_ms"].bars] == [("6", 400)]
 
 
 def test_bar_chart_scales_to_the_largest_value() -> None:

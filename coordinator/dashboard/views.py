@@ -51,6 +51,7 @@ def _ms(start: datetime | None, end: datetime | None) -> int | None:
 # key, label, how to compute it (ms) from a checkpoint and its decided attempt
 DURATIONS: list[tuple[str, str, Callable[[Checkpoint, Attempt | None], int | None]]] = [
     ("batch_ms", "batch (attempt start → decision)", lambda cp, a: _ms(a.started_at, a.decided_at) if a else None),
+    ("job_ms", "Spark write job (reported by the driver)", lambda cp, a: a.job_ms if a else None),
     ("commit_ms", "commit latency (decision → committed)", lambda cp, a: _ms(cp.decided_at, cp.committed_at)),
     ("total_ms", "checkpoint (first begin → committed)", lambda cp, a: _ms(cp.created_at, cp.committed_at)),
 ]
@@ -108,12 +109,22 @@ def bar_chart(key: str, title: str, unit: str, points: Sequence[tuple[str, float
     return Chart(key, title, unit, bars, top)
 
 
+def records_per_second(row: BatchRow) -> float | None:
+    """Throughput of a batch's write job, when the driver reported its time (sparkclient does)."""
+    job_ms = row.durations.get("job_ms")
+    if row.records is None or not job_ms:
+        return None
+    return round(row.records * 1000 / job_ms, 1)
+
+
 def charts(rows: Sequence[BatchRow]) -> list[Chart]:
     """Throughput and latency of the decided batches, oldest first."""
     decided = [r for r in reversed(rows) if r.records is not None]
     out = [
         bar_chart("records", "records per batch", "records", [(str(r.checkpoint.batch_id), r.records) for r in decided]),
         bar_chart("bytes", "bytes per batch", "bytes", [(str(r.checkpoint.batch_id), r.bytes) for r in decided]),
+        bar_chart("records_per_s", "throughput (records / Spark write job)", "records/s",
+                  [(str(r.checkpoint.batch_id), records_per_second(r)) for r in decided]),
     ]
     for key, label, _ in DURATIONS:
         out.append(bar_chart(key, label, "ms", [(str(r.checkpoint.batch_id), r.durations[key]) for r in decided]))

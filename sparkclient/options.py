@@ -79,6 +79,8 @@ class WriterOptions:
 
         bootstrap = required("kafka.bootstrap.servers")
         url = required("coordinator.url")
+        if not url.lower().startswith(("http://", "https://")):
+            raise WriterOptionError(f"option 'coordinator.url' must start with http:// or https://, got {url!r}")
         token = required("coordinator.token")
         sink = required("coordinator.sink")
         checkpoint = required("checkpointLocation")

@@ -153,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         if not done.is_set():
             print("[example_job] the query stopped before all records were committed", file=sys.stderr, flush=True)
             return 1
-        print(f"[example_job] all {total} records committed", flush=True)
         for _ in range(100):  # stop between triggers, not in the middle of the next batch
             if not query.status["isTriggerActive"]:
                 break
             time.sleep(0.05)
+        query.stop()  # before the last line: a trigger may have started since, and may log its batch
+        print(f"[example_job] all {total} records committed", flush=True)
         return 0
     finally:
         if query.isActive:

@@ -75,3 +75,31 @@ def test_a_url_without_http_scheme_fails_at_once_naming_the_option() -> None:
             WriterOptions.parse({**base, "coordinator.url": bad})
     assert WriterOptions.parse({**base, "coordinator.url": "HTTPS://c:8000"}).coordinator_url == "HTTPS://c:8000"
 
+
+def test_executor_tasks_share_one_client_per_process_and_a_forked_worker_makes_its_own() -> None:
+    """PySpark reuses a Python worker for many tasks (one client, one keep-alive connection) and
+    forks workers from a daemon: a child must not talk over its parent's connections."""
+    import os
+
+    from sparkclient.executor import TaskSpec
+
+    def spec(batch: int, timeout_ms: int = 30_000) -> TaskSpec:
+        return TaskSpec("http://c:8000", "tok", "s", timeout_ms, 60_000, batch, 1, 1, "k:9092", {}, "t", ("value",),
+                        False)
+
+    first = spec(0).client()
+    assert spec(1).client() is first  # another batch, same sink and options: the same client
+    assert spec(1, timeout_ms=5_000).client() is not first
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child answers whether it got a client of its own
+        try:
+            os.write(write, b"own" if spec(2).client() is not first else b"shared")
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 10)
+    os.waitpid(child, 0)
+    os.close(read)
+    assert answer == b"own"
+    assert spec(3).client() is first  # the parent keeps its own

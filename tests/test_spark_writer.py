@@ -215,6 +215,8 @@ def test_wrong_or_missing_columns_fail_before_anything_is_written(
         (spark.createDataFrame([("v", "p")], "value string, partition string"), "column 'partition' has type string; expected int"),
         (spark.createDataFrame([("v", [("h", "x")])], "value string, headers array<struct<key:string,value:string>>"),
          "column 'headers' has type array<struct<key:string,value:string>>; expected array<struct<key: string, value: binary>>"),
+        (spark.createDataFrame([("a", "b")], "value string, v2 string").toDF("value", "value"),
+         "more than one column named ['value']"),
     ]
     for df, message in cases:
         with pytest.raises(SchemaError, match=message.replace("(", r"\(").replace("[", r"\[")):

@@ -17,7 +17,13 @@ import httpx
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUSES = frozenset({500, 502, 503, 504})
+TOO_MANY_REQUESTS = 429  # from a proxy or gateway in front of the coordinator
+
+
+def is_retried(status: int) -> bool:
+    """Every 5xx (the coordinator's 503s and any proxy's) and 429; never another 4xx (a refusal
+    that a retry would only repeat)."""
+    return status >= 500 or status == TOO_MANY_REQUESTS
 
 # what the user should do, by the service's error reason (coordinator/protocol/errors.py)
 _HINTS = {
@@ -52,7 +58,7 @@ class CoordinatorError(RuntimeError):
 
 
 class CoordinatorClient:
-    """One sink's protocol calls. Cheap to build; build one per task on executors."""
+    """One sink's protocol calls. Thread-safe; executors keep one per Python worker (executor.TaskSpec.client)."""
 
     def __init__(self, url: str, token: str, sink: str, *, timeout_s: float = 30.0, retry_budget_s: float = 120.0,
                  backoff_base_s: float = 0.2, backoff_max_s: float = 5.0) -> None:
@@ -88,13 +94,20 @@ class CoordinatorClient:
             attempt += 1
             try:
                 resp = self._http.request(method, path, json=body, **kwargs)
+            except (httpx.UnsupportedProtocol, httpx.LocalProtocolError) as exc:  # a retry would fail the same way
+                raise CoordinatorError(None, "bad_url", f"{exc}; check coordinator.url ({self._http.base_url}): it "
+                                       "must be the coordinator's http:// or https:// base URL", call=call) from exc
             except httpx.TransportError as exc:  # connection refused/reset, timeouts: the call may be repeated
                 failure: str = f"{type(exc).__name__}: {exc}"
             else:
-                if resp.status_code < 400:
-                    return resp.json()
+                if 200 <= resp.status_code < 300:
+                    return _json_of(resp, call)
+                if 300 <= resp.status_code < 400:
+                    raise CoordinatorError(resp.status_code, "redirect", f"the coordinator URL answered a redirect "
+                                           f"to {resp.headers.get('location')!r}; set coordinator.url to the "
+                                           "coordinator's own base URL", call=call)
                 error = _error_of(resp)
-                if resp.status_code not in RETRY_STATUSES:
+                if not is_retried(resp.status_code):
                     raise CoordinatorError(resp.status_code, error.get("reason", "error"), error.get("message", resp.text),
                                            error.get("detail"), call=call)
                 failure = f"HTTP {resp.status_code} {error.get('reason')}: {error.get('message')}"
@@ -156,6 +169,15 @@ class CoordinatorClient:
         if state:
             params["state"] = state
         return self.request("GET", f"/v1/sinks/{self.sink}/checkpoints", params=params)
+
+
+def _json_of(resp: httpx.Response, call: str) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        raise CoordinatorError(resp.status_code, "not_json", f"the answer is not JSON "
+                               f"({resp.headers.get('content-type')}: {resp.text[:200]!r}); check coordinator.url: "
+                               "is it the coordinator, not a proxy's login or error page?", call=call) from None
 
 
 def _error_of(resp: httpx.Response) -> dict[str, Any]:

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             if not query.status["isTriggerActive"]:
                 break
             time.sleep(0.05)
-        query.stop()  # no batch runs (or prints) after this
+        query.stop()  # before the last line: a trigger may have started since, and may log its batch
         print(f"[example_job] all {total} records committed", flush=True)
         return 0
     finally:

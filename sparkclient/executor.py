@@ -4,7 +4,8 @@ Per task attempt (DESIGN §3 steps 3-4): an empty partition takes no lease and o
 otherwise lease a transactional id for this task attempt, `init_transactions`, `begin_transaction`,
 produce every row, `flush`, check every delivery report (any failure fails the task: a transaction
 that lost a record is never pre-committed), read producer id and epoch from librdkafka's
-statistics (`eos.producer_id`, `eos.producer_epoch`: the only place it exposes them), pre-commit,
+statistics (`eos.producer_id`, `eos.producer_epoch`: the only place it exposes them) as reported
+during the transaction, pre-commit,
 and release the producer WITHOUT ending the transaction (not `close()`, which aborts it): the
 coordinator commits the winner by resume. The task's
 result names its lease; the driver commits with the results Spark accepted.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -31,7 +34,8 @@ HEADER_BATCH = "eos-batch-id"
 HEADER_ATTEMPT = "eos-attempt"
 HEADER_LEASE = "eos-lease-id"
 
-STATS_INTERVAL_MS = 20  # librdkafka statistics: how producer id and epoch are learnt after the flush
+STATS_INTERVAL_MS = 20  # librdkafka statistics: the only place producer id and epoch are reported
+STATS_WAIT_S = 30.0
 KAFKA_CALL_TIMEOUT_S = 60.0
 
 FaultHook = Callable[..., None]
@@ -61,8 +65,32 @@ class TaskSpec:
     fault_hook: FaultHook | None = field(default=None, compare=False)
 
     def client(self) -> CoordinatorClient:
-        return CoordinatorClient(self.coordinator_url, self.coordinator_token, self.sink,
-                                 timeout_s=self.request_timeout_ms / 1000, retry_budget_s=self.retry_budget_ms / 1000)
+        """This process's client for the sink (kept across tasks: a reused Python worker keeps its
+        connection to the coordinator instead of opening one per task)."""
+        key = (self.coordinator_url, self.coordinator_token, self.sink, self.request_timeout_ms, self.retry_budget_ms)
+        with _CLIENTS_LOCK:
+            client = _CLIENTS.get(key)
+            if client is None:
+                client = _CLIENTS[key] = CoordinatorClient(
+                    self.coordinator_url, self.coordinator_token, self.sink,
+                    timeout_s=self.request_timeout_ms / 1000, retry_budget_s=self.retry_budget_ms / 1000)
+            return client
+
+
+# One coordinator client per process and sink options (see TaskSpec.client); httpx clients are
+# thread-safe. A forked child (PySpark forks its workers) starts with none: it must not use its
+# parent's connections (dropping them there only closes the child's copies of the sockets).
+_CLIENTS: dict[tuple[Any, ...], CoordinatorClient] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _forget_parent_clients() -> None:
+    global _CLIENTS_LOCK
+    _CLIENTS_LOCK = threading.Lock()
+    _CLIENTS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_clients)
 
 
 @dataclass(frozen=True)
@@ -91,10 +119,10 @@ def write_partition(spec: TaskSpec, partition: int, rows: Iterable[Any]) -> Iter
         yield TaskResult(partition, None, task_attempt_id)
         return
     hook = _hook(spec, partition, attempt_number)
-    with spec.client() as client:
-        lease = client.lease(spec.batch_id, spec.attempt, spec.generation, partition, task_attempt_id)
-        hook("after_lease", lease=lease)
-        result = _write_transaction(spec, partition, task_attempt_id, lease, chain([first], rows), client, hook)
+    client = spec.client()
+    lease = client.lease(spec.batch_id, spec.attempt, spec.generation, partition, task_attempt_id)
+    hook("after_lease", lease=lease)
+    result = _write_transaction(spec, partition, task_attempt_id, lease, chain([first], rows), client, hook)
     hook("after_precommit", result=result)
     yield result
 
@@ -110,12 +138,7 @@ def _write_transaction(spec: TaskSpec, partition: int, task_attempt_id: int, lea
                        rows: Iterator[Any], client: CoordinatorClient, hook: Callable[..., None]) -> TaskResult:
     from confluent_kafka import Producer
 
-    stats: dict[str, Any] = {}
-
-    def on_stats(raw: str) -> None:
-        eos = json.loads(raw).get("eos")
-        if eos:
-            stats["eos"] = eos
+    stats = _EosStats()
 
     producer = Producer({
         **spec.producer_config,
@@ -125,12 +148,13 @@ def _write_transaction(spec: TaskSpec, partition: int, task_attempt_id: int, lea
         "enable.idempotence": True,
         "acks": "all",
         "statistics.interval.ms": STATS_INTERVAL_MS,
-        "stats_cb": on_stats,
+        "stats_cb": stats.on_report,
     })
     try:
         started = time.monotonic()
         producer.init_transactions(KAFKA_CALL_TIMEOUT_S)
         producer.begin_transaction()
+        stats.transaction_begun()
         records, size, failures = _produce_rows(spec, lease, producer, rows)
         left = producer.flush(KAFKA_CALL_TIMEOUT_S)
         if left or failures["errors"] or failures["delivered"] != records:
@@ -139,7 +163,7 @@ def _write_transaction(spec: TaskSpec, partition: int, task_attempt_id: int, lea
                 f"acknowledged, {left} still queued, errors: {failures['errors'][:5]}; the task fails so that "
                 "Spark retries it (this transaction is never committed)")
         write_ms = int((time.monotonic() - started) * 1000)
-        producer_id, producer_epoch = _producer_id_and_epoch(producer, stats)
+        producer_id, producer_epoch = _producer_id_and_epoch(producer, stats, spec, partition)
         hook("before_precommit", lease=lease)
         client.precommit(lease["lease_id"], spec.generation, producer_id, producer_epoch, records, size, write_ms)
     except BaseException:
@@ -218,13 +242,45 @@ def _as_bytes(v: Any) -> bytes | None:
     return bytes(v)  # bytearray
 
 
-def _producer_id_and_epoch(producer: Any, stats: dict[str, Any]) -> tuple[int, int]:
-    """From a statistics report emitted after the flush (librdkafka has no other API for them)."""
-    stats.clear()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+class _EosStats:
+    """librdkafka's statistics reports, as far as producer id and epoch go ("eos" section).
+
+    The pair is taken from a report that shows this transaction in progress ("InTransaction",
+    producer id assigned): the epoch is set by init_transactions and only changes (a bump) after an
+    abortable error, which fails records (their delivery reports fail the task) and leaves
+    "InTransaction". A report in the transaction that shows another pair fails the task.
+    """
+
+    def __init__(self) -> None:
+        self.in_transaction = False
+        self.pairs: set[tuple[int, int]] = set()  # seen in reports of this transaction
+        self.last: dict[str, Any] | None = None
+
+    def on_report(self, raw: str) -> None:
+        eos = json.loads(raw).get("eos")
+        if not eos:
+            return
+        self.last = eos
+        if (self.in_transaction and eos.get("txn_state") == "InTransaction" and eos.get("idemp_state") == "Assigned"
+                and eos.get("producer_id", -1) >= 0):
+            self.pairs.add((int(eos["producer_id"]), int(eos["producer_epoch"])))
+
+    def transaction_begun(self) -> None:
+        self.in_transaction = True  # reports served from now on were queued after init_transactions
+        self.pairs.clear()
+
+
+def _producer_id_and_epoch(producer: Any, stats: _EosStats, spec: TaskSpec, partition: int) -> tuple[int, int]:
+    """Of this transaction, after the flush and the delivery checks: from the reports served while
+    it ran (every 20 ms; produce and flush serve them), or else the next one."""
+    deadline = time.monotonic() + STATS_WAIT_S
+    while not stats.pairs and time.monotonic() < deadline:
         producer.poll(STATS_INTERVAL_MS / 1000)
-        eos = stats.get("eos")
-        if eos and eos.get("producer_id", -1) >= 0:
-            return int(eos["producer_id"]), int(eos["producer_epoch"])
-    raise RuntimeError(f"librdkafka reported no producer id within 30 s (last eos statistics: {stats.get('eos')})")
+    if len(stats.pairs) == 1:
+        return next(iter(stats.pairs))
+    if not stats.pairs:
+        raise RuntimeError(f"batch {spec.batch_id} partition {partition}: librdkafka reported no producer id in a "
+                           f"transaction within {STATS_WAIT_S:.0f} s (last eos statistics: {stats.last}); the task "
+                           "fails and Spark retries it")
+    raise RuntimeError(f"batch {spec.batch_id} partition {partition}: the producer id/epoch changed during the "
+                       f"transaction ({sorted(stats.pairs)}); the task fails and Spark retries it")

@@ -64,6 +64,10 @@ def _type_ok(name: str, t: DataType) -> bool:
 def check_schema(schema: StructType, *, topic_option: str | None) -> KafkaColumns:
     """The Kafka-sink columns present, or SchemaError naming what to fix."""
     types = {f.name: f.dataType for f in schema.fields}
+    twice = sorted({n for n in schema.names if n in KAFKA_COLUMNS and schema.names.count(n) > 1})
+    if twice:
+        raise SchemaError(f"the batch DataFrame has more than one column named {twice}: keep one of each "
+                          f"(e.g. select or alias after a join); columns: {schema.names}")
     if "value" not in types:
         raise SchemaError(f"the batch DataFrame has no 'value' column (expected {_EXPECTED['value']}); "
                           f"columns: {list(types)}")

@@ -87,6 +87,9 @@ class ExactlyOnceKafkaWriter:
         client = self._driver_client()
         generation = self._ensure_generation(df)
         begun = client.begin(batch_id, generation)
+        if begun.get("action") not in ("write", "skip") or (begun["action"] == "write" and begun.get("attempt") is None):
+            raise _unexpected("begin", batch_id, f"action {begun.get('action')!r} (attempt {begun.get('attempt')})",
+                              "action 'write' with an attempt, or 'skip'")
         if begun["action"] == "skip":
             report = BatchReport(batch_id, "resumed" if begun["resumed"] else "skipped", None,
                                  total_ms=_ms_since(started))
@@ -117,8 +120,13 @@ class ExactlyOnceKafkaWriter:
         self._hook("before_commit", batch_id=batch_id, attempt=attempt, generation=generation, winners=winners)
         commit_started = time.monotonic()
         answer = client.commit(batch_id, attempt, generation, winners, job_ms)  # a refusal raises: Spark replays
-        if answer["state"] != "COMMITTED":
-            raise RuntimeError(f"batch {batch_id}: the coordinator answered state {answer['state']} to the commit")
+        if answer.get("state") != "COMMITTED" or answer.get("attempt") != attempt:
+            raise _unexpected("commit", batch_id, f"state {answer.get('state')!r} for attempt {answer.get('attempt')}",
+                              f"state 'COMMITTED' for attempt {attempt}")
+        committed = {c["partition"]: c["lease_id"] for c in answer.get("committed", [])}
+        named = {p: lease for p, lease in winners.items() if lease is not None}
+        if committed != named:
+            raise _unexpected("commit", batch_id, f"winners {committed}", f"the winners the driver named, {named}")
         commit_ms = _ms_since(commit_started)
         for warning in answer.get("warnings", []):
             log.warning("batch %d: %s", batch_id, warning)
@@ -227,6 +235,13 @@ def read_query_id(spark: Any, checkpoint_location: str) -> str:
         return str(json.loads(line)["id"])
     except (TypeError, ValueError, KeyError):
         raise LineageError(f"{checkpoint_location}/metadata has no query id: {line!r}") from None
+
+
+def _unexpected(call: str, batch_id: int, got: str, expected: str) -> CoordinatorError:
+    """An answer this driver cannot act on safely: stop the query rather than guess."""
+    return CoordinatorError(None, "unexpected_answer", f"{call} of batch {batch_id} answered {got}; expected "
+                            f"{expected}. Check that coordinator.url points at a coordinator of a compatible version; "
+                            "the query stops and replays the batch when restarted", call=call)
 
 
 def _ms_since(t: float) -> int:

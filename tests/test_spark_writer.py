@@ -215,6 +215,8 @@ def test_wrong_or_missing_columns_fail_before_anything_is_written(
         (spark.createDataFrame([("v", "p")], "value string, partition string"), "column 'partition' has type string; expected int"),
         (spark.createDataFrame([("v", [("h", "x")])], "value string, headers array<struct<key:string,value:string>>"),
          "column 'headers' has type array<struct<key:string,value:string>>; expected array<struct<key: string, value: binary>>"),
+        (spark.createDataFrame([("a", "b")], "value string, v2 string").toDF("value", "value"),
+         "more than one column named ['value']"),
     ]
     for df, message in cases:
         with pytest.raises(SchemaError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -319,3 +321,65 @@ def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for
             assert log.markers(answer["committed"][0]["producer_id"])[-1] == "commit"
         (empty,) = list(write_partition(spec, 4, []))  # an empty partition: no lease, no producer
         assert empty.lease_id is None and native_threads() == before
+
+
+def test_every_kafka_sink_column_is_written_as_spark_gives_it(
+    spark: Any, service: ServiceProcess, tansu: TansuBroker, tmp_path: Path  # noqa: F811
+) -> None:
+    """All five columns of Spark's Kafka-sink schema, with the types PySpark hands to Python
+    (binary columns arrive as bytearray, also inside `headers`), a null `value` (a tombstone), a
+    null header value, the `partition` column and the `topic` column (no topic option). Tansu
+    is enough here: this is about what the records carry, not their visibility."""
+    topic = tansu.create_topic(3)
+    token = register(service, "columns", tansu.bootstrap, topic)
+    (tmp_path / "chk").mkdir()
+    (tmp_path / "chk" / "metadata").write_text('{"id":"query-columns"}\n')
+    writer = ExactlyOnceKafkaWriter({**options(service, tansu, "columns", token, topic, tmp_path / "chk"),
+                                     "topic": "", "provenance.headers": "false"})
+    rows = [(f"k{i}".encode(), None if i == 3 else f"v{i}".encode(), topic, i % 3,
+             [("trace", f"t{i}".encode()), ("empty", None)]) for i in range(6)]
+    df = spark.createDataFrame(
+        rows, "key binary, value binary, topic string, partition int, "
+              "headers array<struct<key: string, value: binary>>").repartition(2)
+    reports: list[BatchReport] = []
+    writer.on_batch = reports.append
+    writer(df, 0)
+    assert [(r.action, r.records) for r in reports] == [("committed", 6)]
+    got = sorted(read_topic(tansu.bootstrap, topic), key=lambda r: r.key)
+    assert [(r.key, r.value, r.partition, r.headers) for r in got] == [
+        (f"k{i}".encode(), None if i == 3 else f"v{i}".encode(), i % 3, {"trace": f"t{i}"}) for i in range(6)]
+
+
+def test_the_driver_refuses_coordinator_answers_it_does_not_expect(spark: Any, tmp_path: Path) -> None:
+    """A begin answer that is neither write nor skip (another coordinator version, a broken proxy)
+    must not be taken for a write; a COMMITTED answer naming other winners than the driver's must
+    not let the batch pass as committed. A scripted HTTP server stands in for the coordinator."""
+    import json
+
+    from spark_support import scripted_http
+
+    (tmp_path / "metadata").write_text('{"id":"query-odd"}\n')
+    sink = (200, json.dumps({"name": "odd", "transaction_timeout_ms": 60000}), {})
+    generation = (200, json.dumps({"generation": 3, "aborted": [], "abort_pending": []}), {})
+    empty = spark.createDataFrame([], "value string")
+    with scripted_http() as (url, script):
+        opts = {"kafka.bootstrap.servers": "127.0.0.1:1", "topic": "t", "coordinator.url": url,
+                "coordinator.token": "w", "coordinator.sink": "odd", "checkpointLocation": str(tmp_path)}
+        script.answers = [sink, generation, (200, json.dumps({"action": "wait", "batch_id": 0, "state": "OPEN",
+                                                             "attempt": None, "resumed": False}), {})]
+        with pytest.raises(CoordinatorError, match="begin of batch 0 answered action 'wait'"):
+            ExactlyOnceKafkaWriter(opts)(empty, 0)
+        assert script.requests[-1] == "POST /v1/sinks/odd/checkpoints/0/begin"  # nothing after it
+
+        script.requests.clear()
+        begin = (200, json.dumps({"action": "write", "batch_id": 0, "state": "OPEN", "attempt": 1,
+                                  "resumed": False, "aborted": [], "abort_pending": []}), {})
+        other_winner = {"partition": 0, "lease_id": 99, "transactional_id": "x-0", "producer_id": 1,
+                        "producer_epoch": 0, "records": 5, "bytes": 5}
+        committed = (200, json.dumps({"batch_id": 0, "state": "COMMITTED", "attempt": 1, "committed": [other_winner],
+                                      "aborted": [], "abort_pending": [], "warnings": []}), {})
+        script.answers = [sink, generation, begin, committed]
+        reports: list[BatchReport] = []
+        with pytest.raises(CoordinatorError, match="commit of batch 0 answered winners .*99.* the driver named"):
+            ExactlyOnceKafkaWriter(opts, on_batch=reports.append)(empty, 0)
+        assert script.requests[-1] == "POST /v1/sinks/odd/checkpoints/0/attempts/1/commit" and reports == []

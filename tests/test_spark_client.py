@@ -1,0 +1,105 @@
+"""The writer's coordinator client against a scripted HTTP server (real sockets, stdlib
+http.server), for answers the coordinator itself does not give on purpose: other 5xx from a proxy
+in between, a 200 that is not the coordinator's JSON, a redirect; and a URL without a scheme.
+No Spark, no Postgres: these tests take well under a second each."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from spark_support import Script, scripted_http
+from sparkclient import CoordinatorClient, CoordinatorError, WriterOptionError
+from sparkclient.options import WriterOptions
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[str, Script]]:
+    with scripted_http() as served:
+        yield served
+
+
+SINK = json.dumps({"name": "s", "transaction_timeout_ms": 60000})
+
+
+def error(reason: str) -> str:
+    return json.dumps({"error": {"reason": reason, "message": f"{reason} happened"}})
+
+
+def client(url: str, budget_s: float = 10.0) -> CoordinatorClient:
+    return CoordinatorClient(url, "t", "s", timeout_s=5, retry_budget_s=budget_s, backoff_base_s=0.01,
+                             backoff_max_s=0.02)
+
+
+def test_any_5xx_and_429_from_a_proxy_are_retried(scripted: tuple[str, Script]) -> None:
+    url, script = scripted
+    script.answers = [(507, "<html>insufficient storage</html>", {"Content-Type": "text/html"}),
+                      (501, "", {}), (429, "slow down", {"Content-Type": "text/plain"}), (200, SINK, {})]
+    with client(url) as c:
+        assert c.describe_sink()["name"] == "s"
+    assert len(script.requests) == 4
+
+
+def test_a_4xx_is_not_retried(scripted: tuple[str, Script]) -> None:
+    url, script = scripted
+    script.answers = [(409, error("stale_generation"), {}), (200, SINK, {})]
+    with client(url) as c, pytest.raises(CoordinatorError) as refused:
+        c.describe_sink()
+    assert refused.value.status == 409 and "this driver is fenced" in str(refused.value)
+    assert len(script.requests) == 1
+
+
+def test_an_answer_that_is_not_the_coordinators_says_to_check_the_url(scripted: tuple[str, Script]) -> None:
+    url, script = scripted
+    script.answers = [(200, "<html>login</html>", {"Content-Type": "text/html"})]
+    with client(url) as c, pytest.raises(CoordinatorError, match="not JSON.*check coordinator.url"):
+        c.describe_sink()
+    script.answers = [(308, "", {"Location": "https://elsewhere/v1/sinks/s"})]
+    with client(url) as c, pytest.raises(CoordinatorError, match="redirect.*https://elsewhere.*coordinator.url"):
+        c.describe_sink()
+    assert len(script.requests) == 2  # neither is retried: repeating the call answers the same
+
+
+def test_a_url_without_http_scheme_fails_at_once_naming_the_option() -> None:
+    started = time.monotonic()
+    with client("localhost:8000", budget_s=30) as c, pytest.raises(CoordinatorError, match="coordinator.url"):
+        c.describe_sink()
+    assert time.monotonic() - started < 20  # not retried for the whole budget
+    base = {"kafka.bootstrap.servers": "k:9092", "topic": "t", "coordinator.token": "x", "coordinator.sink": "s",
+            "checkpointLocation": "/tmp/chk"}
+    for bad in ("localhost:8000", "ftp://c:8000", "http//c"):
+        with pytest.raises(WriterOptionError, match="'coordinator.url' must start with http:// or https://"):
+            WriterOptions.parse({**base, "coordinator.url": bad})
+    assert WriterOptions.parse({**base, "coordinator.url": "HTTPS://c:8000"}).coordinator_url == "HTTPS://c:8000"
+
+
+def test_executor_tasks_share_one_client_per_process_and_a_forked_worker_makes_its_own() -> None:
+    """PySpark reuses a Python worker for many tasks (one client, one keep-alive connection) and
+    forks workers from a daemon: a child must not talk over its parent's connections."""
+    import os
+
+    from sparkclient.executor import TaskSpec
+
+    def spec(batch: int, timeout_ms: int = 30_000) -> TaskSpec:
+        return TaskSpec("http://c:8000", "tok", "s", timeout_ms, 60_000, batch, 1, 1, "k:9092", {}, "t", ("value",),
+                        False)
+
+    first = spec(0).client()
+    assert spec(1).client() is first  # another batch, same sink and options: the same client
+    assert spec(1, timeout_ms=5_000).client() is not first
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child answers whether it got a client of its own
+        try:
+            os.write(write, b"own" if spec(2).client() is not first else b"shared")
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 10)
+    os.waitpid(child, 0)
+    os.close(read)
+    assert answer == b"own"
+    assert spec(3).client() is first  # the parent keeps its own

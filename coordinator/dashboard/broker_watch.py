@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -49,20 +50,31 @@ class BrokerWatch:
         self._running: dict[str, Future[BrokerView]] = {}
 
     def view(self, sink: str) -> BrokerView:
+        return self.views([sink])[sink]
+
+    def views(self, sinks: Sequence[str]) -> dict[str, BrokerView]:
+        """Every sink's view; the observations that are due all start before any is waited for,
+        so a page of many sinks waits at most `wait_s` in all, not `wait_s` per sink."""
+        due: dict[str, tuple[BrokerView | None, Future[BrokerView]]] = {}
+        out: dict[str, BrokerView] = {}
         with self._lock:
-            last = self._last.get(sink)
-            fresh = last is not None and last.observed_at is not None and time.monotonic() - last.observed_at < self.ttl_s
-            if fresh:
-                assert last is not None
-                return last
-            future = self._running.get(sink)
-            if future is None:
-                future = self._pool.submit(self._observe, sink)
-                self._running[sink] = future
-        try:
-            return future.result(timeout=self.wait_s)
-        except FutureTimeout:
-            return last or BrokerView(notes=["observing the broker (no answer yet)"])
+            for sink in sinks:
+                last = self._last.get(sink)
+                if last is not None and last.observed_at is not None and time.monotonic() - last.observed_at < self.ttl_s:
+                    out[sink] = last
+                    continue
+                future = self._running.get(sink)
+                if future is None:
+                    future = self._pool.submit(self._observe, sink)
+                    self._running[sink] = future
+                due[sink] = (last, future)
+        deadline = time.monotonic() + self.wait_s
+        for sink, (last, future) in due.items():
+            try:
+                out[sink] = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                out[sink] = last or BrokerView(notes=["observing the broker (no answer yet)"])
+        return out
 
     def _observe(self, sink: str) -> BrokerView:
         try:

@@ -1,5 +1,5 @@
-"""The dashboard's view of the broker: stuck last stable offsets (coordinator/broker.py) and
-lingering transactions (recovery_rules.lingering), per sink.
+"""The dashboard's view of the broker, per sink: stuck last stable offsets and lingering
+transactions (coordinator/broker.py: `observe_partitions`, `lingering_transactions`).
 
 A page must not hang on a slow or unreachable broker (the Kafka control plane retries for up to
 its retry budget), so each sink's observation runs in a background thread: a page waits at most
@@ -18,10 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..broker import BlockingTransaction, PartitionWatch, StuckPartition, observe_partitions
-from ..kafka_control import ControlPlaneError, KafkaTarget, OpenTransaction
+from ..broker import BlockingTransaction, PartitionWatch, StuckPartition, lingering_transactions, observe_partitions
+from ..kafka_control import ControlPlaneError, OpenTransaction
 from ..protocol import errors as e
-from ..protocol import recovery_rules
 
 if TYPE_CHECKING:
     from ..service import Coordinator
@@ -101,10 +100,7 @@ class BrokerWatch:
             notes.append(f"last stable offsets not observed: {exc}")
         lingering: list[OpenTransaction] = []
         try:
-            sink = c.get_sink(name)
-            target = KafkaTarget(sink.name, sink.bootstrap_servers, sink.transaction_timeout_ms)
-            listed = c.control_plane.list_open_transactions(target, sink.transactional_id_prefix + "-")
-            lingering = recovery_rules.lingering(listed, c.possibly_open_transactions(name)) if listed else []
+            lingering = lingering_transactions(c, name)
         except ControlPlaneError as exc:
             notes.append(f"open transactions not listed: {exc}")
         return BrokerView(stuck, blocking, lingering, notes, time.monotonic())

@@ -218,10 +218,12 @@ def test_dashboard_uses_only_metrics_the_service_exports(service: ServiceProcess
                      "coordinator_recovery_iterations_total", "coordinator_recovery_errors_total",
                      "coordinator_http_request_duration_seconds_bucket"):
         assert required in used, f"no dashboard panel queries {required}"
-    # the halt gauge is per process and only the recovery leader refreshes it from the database:
-    # the panel reads the leader's, not the max over replicas (a stale 1 elsewhere would stick)
-    halted = [expr for expr in dashboard_expressions() if "coordinator_sink_halted" in expr]
-    assert halted and all("and on (instance) (coordinator_recovery_leader == 1)" in expr for expr in halted), halted
+    # gauges that only the recovery leader keeps current (other replicas, and a former leader, keep
+    # the last value they set): the panels read the leader's, not the max over replicas
+    for gauge in ("coordinator_sink_halted", "coordinator_transactions_near_timeout",
+                  "coordinator_partition_lso_lag_records"):
+        exprs = [expr for expr in dashboard_expressions() if gauge in expr]
+        assert exprs and all("and on (instance) (coordinator_recovery_leader == 1)" in x for x in exprs), exprs
 
 
 def test_recovery_loop_observes_the_lso_lag(coordinator: Coordinator, kafka: RecordingControlPlane) -> None:

@@ -228,6 +228,12 @@ def run(
                 findings.append(Finding(f"sink {only_sink}", "registered", FAIL,
                                         f"no sink named {only_sink!r} is registered in the database",
                                         "check the name (`coordinator sinks`), or register the sink first"))
+            elif not to_check:  # the sink was asked for, and nothing of it could be checked
+                findings.append(Finding(f"sink {only_sink}", "registered", FAIL,
+                                        f"sink {only_sink!r} not checked: its registration cannot be read without "
+                                        "the database",
+                                        "pass a reachable --database-url (or COORDINATOR_DATABASE_URL), or check a "
+                                        "sink not registered yet with --bootstrap-servers and --prefix"))
         else:
             to_check = registered
             if engine is not None and not registered:

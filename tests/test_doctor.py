@@ -183,3 +183,10 @@ def test_a_commit_margin_registration_would_refuse_fails(margin: str, says: str,
     timeouts = found[("sink unregistered", "coordinator_timeouts")]
     assert code == 1 and timeouts["verdict"] == "fail" and says in timeouts["detail"], timeouts
     assert "registration would be refused" in timeouts["detail"]
+
+
+def test_a_sink_asked_for_without_a_database_fails_rather_than_checking_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    code, found = doctor(capsys, "--sink", "orders")
+    assert found[("database", "database")]["verdict"] == "warn"
+    registered = found[("sink orders", "registered")]
+    assert code == 1 and registered["verdict"] == "fail" and "--database-url" in registered["fix"]

@@ -41,6 +41,7 @@ from .kafka_control import (
     PartitionStability,
 )
 from .protocol import errors as e
+from .protocol import recovery_rules
 from .protocol.model import Lease, Sink
 from .protocol.states import UNRESOLVED_LEASE_STATES
 from .store import repo
@@ -246,6 +247,14 @@ def check_sink_broker(coordinator: Coordinator, name: str) -> list[BrokerCheck]:
     known = known_transactional_ids(coordinator, sink.id)
     # pool ids are "<prefix>-<ordinal>" (rules.transactional_id_for): only ids under "<prefix>-" can collide
     return plane.check_broker(target, sink.transactional_id_prefix + "-", known)
+
+
+def lingering_transactions(coordinator: Coordinator, name: str) -> list[OpenTransaction]:
+    """The open transactions under the sink's prefix that no unresolved lease explains, read only
+    (the dashboard shows them; the recovery loop's `Coordinator.sweep_lingering` aborts them)."""
+    plane, target, sink = _plane_and_target(coordinator, name)
+    listed = plane.list_open_transactions(target, sink.transactional_id_prefix + "-")
+    return recovery_rules.lingering(listed, coordinator.possibly_open_transactions(name)) if listed else []
 
 
 def observe_partitions(coordinator: Coordinator, name: str, watch: PartitionWatch, *, min_stall_s: float) -> PartitionReport:

@@ -26,6 +26,8 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, select, text
 
 from .kafka_control import BrokerCheck, KafkaTarget
+from .protocol import errors as e
+from .protocol import rules
 from .settings import Settings
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -135,16 +137,20 @@ def known_ids(engine: Engine, sink_name: str) -> set[str]:
 def check_timeouts(sink: SinkUnderCheck, settings: Settings) -> Finding:
     scope = f"sink {sink.name}"
     limit = settings.broker_max_transaction_timeout_ms
-    if sink.transaction_timeout_ms > limit:
-        return Finding(scope, "coordinator_timeouts", FAIL,
-                       f"transaction_timeout_ms {sink.transaction_timeout_ms} exceeds the coordinator's limit "
-                       f"COORDINATOR_BROKER_MAX_TRANSACTION_TIMEOUT_MS={limit}: the registration would be refused",
-                       f"lower the sink's transaction_timeout_ms to at most {limit}, or raise "
-                       "COORDINATOR_BROKER_MAX_TRANSACTION_TIMEOUT_MS to match the brokers' transaction.max.timeout.ms")
-    if sink.commit_margin_ms is not None and sink.commit_margin_ms >= sink.transaction_timeout_ms:
-        return Finding(scope, "coordinator_timeouts", FAIL,
-                       f"commit_margin_ms {sink.commit_margin_ms} is not below transaction_timeout_ms "
-                       f"{sink.transaction_timeout_ms}: every commit would be refused by the timeout gate",
+    margin = sink.commit_margin_ms
+    if margin is None:  # what registration would store
+        margin = rules.default_commit_margin_ms(sink.transaction_timeout_ms)
+    try:  # the rules registration applies (coordinator/protocol/rules.py)
+        rules.validate_timeouts(sink.transaction_timeout_ms, margin, limit)
+    except e.Invalid as exc:
+        if exc.reason == "transaction_timeout_above_broker_max":
+            return Finding(scope, "coordinator_timeouts", FAIL,
+                           f"transaction_timeout_ms {sink.transaction_timeout_ms} exceeds the coordinator's limit "
+                           f"COORDINATOR_BROKER_MAX_TRANSACTION_TIMEOUT_MS={limit}: the registration would be refused",
+                           f"lower the sink's transaction_timeout_ms to at most {limit}, or raise "
+                           "COORDINATOR_BROKER_MAX_TRANSACTION_TIMEOUT_MS to match the brokers' "
+                           "transaction.max.timeout.ms")
+        return Finding(scope, "coordinator_timeouts", FAIL, f"{exc.message}: the registration would be refused",
                        "use a commit margin of about a tenth of the transaction timeout")
     budget = settings.restart_budget_ms
     if sink.transaction_timeout_ms <= budget:
@@ -179,9 +185,8 @@ def check_prefixes(candidates: Iterable[SinkUnderCheck]) -> list[Finding]:
     sinks = sorted(candidates, key=lambda s: s.name)
     findings = []
     for s in sinks:
-        clashes = [o for o in sinks if o is not s and (
-            o.transactional_id_prefix.startswith(s.transactional_id_prefix)
-            or s.transactional_id_prefix.startswith(o.transactional_id_prefix))]
+        clashes = [o for o in sinks if o is not s
+                   and rules.prefixes_clash(o.transactional_id_prefix, s.transactional_id_prefix)]
         scope = f"sink {s.name}"
         if clashes:
             shown = ", ".join(f"{o.name} ({o.transactional_id_prefix!r})" for o in clashes)
@@ -223,6 +228,12 @@ def run(
                 findings.append(Finding(f"sink {only_sink}", "registered", FAIL,
                                         f"no sink named {only_sink!r} is registered in the database",
                                         "check the name (`coordinator sinks`), or register the sink first"))
+            elif not to_check:  # the sink was asked for, and nothing of it could be checked
+                findings.append(Finding(f"sink {only_sink}", "registered", FAIL,
+                                        f"sink {only_sink!r} not checked: its registration cannot be read without "
+                                        "the database",
+                                        "pass a reachable --database-url (or COORDINATOR_DATABASE_URL), or check a "
+                                        "sink not registered yet with --bootstrap-servers and --prefix"))
         else:
             to_check = registered
             if engine is not None and not registered:

@@ -34,6 +34,9 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine, text
+from starlette.routing import Mount
+
+from .protocol.states import UNRESOLVED_LEASE_STATES, LeaseState
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +176,8 @@ def partitions_observed(sink: str, partitions: Iterable[Any]) -> None:
 
 class HttpMetricsMiddleware:
     """ASGI middleware: latency of every HTTP request by the matched route's path template (not
-    the raw path, which would make a series per batch id). Unmatched paths count as "<unmatched>"."""
+    the raw path, which would make a series per batch id), with the prefix of the mount it is in
+    (the dashboard's "/sinks/{name}" is "/dashboard/sinks/{name}"). Unmatched paths count as "<unmatched>"."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -184,6 +188,7 @@ class HttpMetricsMiddleware:
             return
         started = time.perf_counter()
         status = {"code": 500}
+        root_path = scope.get("root_path", "")
 
         async def send_with_status(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -193,35 +198,45 @@ class HttpMetricsMiddleware:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            route = scope.get("route")  # set by the router on this scope when a route matched
-            template = getattr(route, "path", None) or "<unmatched>"
+            route = scope.get("route")  # set by the (innermost) router on this scope when a route matched
+            mounted = scope.get("root_path", "")[len(root_path):]  # each Mount passed adds its prefix
+            if route is not None and not isinstance(route, Mount):
+                template = mounted + route.path
+            else:  # no route, or a mount that is not a router (static files): the mount's prefix
+                template = mounted or "<unmatched>"
             HTTP_DURATION.labels(scope["method"], template, str(status["code"])).observe(time.perf_counter() - started)
 
 
 # --- state from the database, at scrape time -----------------------------------------------------
 
-_UNRESOLVED = "('LEASED', 'PRECOMMITTED', 'COMMITTING', 'ABORTING', 'LOST_ABORTING')"  # ix_leases_unresolved
+OPEN_STATES = tuple(s.value for s in LeaseState if s in UNRESOLVED_LEASE_STATES)
+# checkpoints still in flight or needing attention; COMMITTED ones are counted by the outcome counter
+CHECKPOINT_STATES = ("OPEN", "COMMITTING", "LOST")
+
+
+def _sql_list(values: Iterable[str]) -> str:
+    # literals, not parameters: the planner matches them against the partial index ix_leases_unresolved
+    return "(" + ", ".join(f"'{v}'" for v in values) + ")"
+
+
 _OPEN_TRANSACTIONS = text(
     f"""
     SELECT s.name, l.state, count(*) AS n,
            extract(epoch FROM now() - min(l.leased_at)) AS oldest_s
       FROM leases l JOIN sinks s ON s.id = l.sink_id
-     WHERE l.state IN {_UNRESOLVED}
+     WHERE l.state IN {_sql_list(OPEN_STATES)}
      GROUP BY s.name, l.state
     """
 )
-# checkpoints still in flight or needing attention; COMMITTED ones are counted by the outcome counter
 _CHECKPOINTS = text(
-    """
+    f"""
     SELECT s.name, c.state, count(*) AS n
       FROM checkpoints c JOIN sinks s ON s.id = c.sink_id
-     WHERE c.state IN ('OPEN', 'COMMITTING', 'LOST')
+     WHERE c.state IN {_sql_list(CHECKPOINT_STATES)}
      GROUP BY s.name, c.state
     """
 )
 _SINKS = text("SELECT name FROM sinks")
-OPEN_STATES = ("LEASED", "PRECOMMITTED", "COMMITTING", "ABORTING", "LOST_ABORTING")
-CHECKPOINT_STATES = ("OPEN", "COMMITTING", "LOST")
 
 
 class DatabaseCollector(Collector):

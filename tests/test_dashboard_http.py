@@ -7,7 +7,9 @@ The browser half is tests/test_dashboard_browser.py."""
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -381,6 +383,32 @@ def test_stuck_offsets_and_lingering_transactions(coordinator: Coordinator, kafk
         now[0] += 1
         assert attr(t.get("/dashboard/").text, "health", "data-level") == ["ok"]
     watch.close()
+
+
+def test_the_overview_observes_every_sinks_broker_at_once(coordinator: Coordinator, kafka: RecordingControlPlane,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page of several sinks waits for their broker observations together, not one after the
+    other (`wait_s` each): here each observation can only finish once all three are under way."""
+    from coordinator.service import SinkSpec
+
+    names = ["a", "b", "c"]
+    for name in names:
+        coordinator.register_sink(SinkSpec(name, f"{name}-eos", "kafka:9092", ["out"]), "admin", check_broker=False)
+    all_under_way = threading.Barrier(len(names), timeout=20)
+    observe = kafka.partition_stability
+
+    def partition_stability(target: Any, topics: list[str]) -> list[PartitionStability]:
+        all_under_way.wait()  # BrokenBarrierError (an observation failure) if the others never start
+        return observe(target, topics)
+
+    monkeypatch.setattr(kafka, "partition_stability", partition_stability)
+    watch = BrokerWatch(coordinator, wait_s=60)
+    try:
+        views = watch.views(names)
+    finally:
+        watch.close()
+    assert {name: (v.notes, v.observed_at is not None) for name, v in views.items()} == \
+        {name: ([], True) for name in names}
 
 
 def test_names_are_escaped_and_the_wall_screen_flag_sets_large_type(client: TestClient, api: ProtocolClient) -> None:

@@ -195,6 +195,8 @@ def test_environment_names_are_settings_and_secrets_come_only_by_reference(
         assert not [o for o in objects if o["kind"] == "Secret"], f"{path} renders a Secret: secrets are the operator's"
         config = next(o for o in objects if o["metadata"]["name"].startswith("coordinator-config"))
         assert set(config["data"]) <= fields, sorted(set(config["data"]) - fields)
+        # /metrics is per process and Prometheus scrapes one process per pod
+        assert config["data"].get("COORDINATOR_WORKERS", "1") == "1", f"{path}: one worker per pod"
         assert not set(config["data"]) & SECRET_SETTINGS
         for kind in ("Deployment", "Job"):
             pod = one(objects, kind)["spec"]["template"]["spec"]

@@ -91,12 +91,16 @@ def traffic(admin: ProtocolClient) -> None:
     writer.lease("orders", 2, a2, gen2, 0, task_attempt_id=20)  # open: not pre-committed
 
 
-def test_metrics_after_protocol_traffic(service: ServiceProcess) -> None:
+def traffic_through(service: ServiceProcess) -> None:
     admin = service.client(ADMIN)
     try:
         traffic(admin)
     finally:
         admin.close()
+
+
+def test_metrics_after_protocol_traffic(service: ServiceProcess) -> None:
+    traffic_through(service)
     m = scrape(service.url)
 
     # checkpoints by outcome
@@ -200,11 +204,7 @@ def test_dashboard_is_valid_grafana_json() -> None:
 
 
 def test_dashboard_uses_only_metrics_the_service_exports(service: ServiceProcess) -> None:
-    admin = service.client(ADMIN)
-    try:
-        traffic(admin)
-    finally:
-        admin.close()
+    traffic_through(service)
     exported = exported_names(service.url)
     used = {name for expr in dashboard_expressions() for name in re.findall(r"\bcoordinator_[a-z0-9_]+", expr)}
     assert used, "no metric found in the dashboard"
@@ -218,6 +218,12 @@ def test_dashboard_uses_only_metrics_the_service_exports(service: ServiceProcess
                      "coordinator_recovery_iterations_total", "coordinator_recovery_errors_total",
                      "coordinator_http_request_duration_seconds_bucket"):
         assert required in used, f"no dashboard panel queries {required}"
+    # gauges that only the recovery leader keeps current (other replicas, and a former leader, keep
+    # the last value they set): the panels read the leader's, not the max over replicas
+    for gauge in ("coordinator_sink_halted", "coordinator_transactions_near_timeout",
+                  "coordinator_partition_lso_lag_records"):
+        exprs = [expr for expr in dashboard_expressions() if gauge in expr]
+        assert exprs and all("and on (instance) (coordinator_recovery_leader == 1)" in x for x in exprs), exprs
 
 
 def test_recovery_loop_observes_the_lso_lag(coordinator: Coordinator, kafka: RecordingControlPlane) -> None:
@@ -267,3 +273,30 @@ def test_commit_refused_by_the_timeout_gate_is_counted(coordinator: Coordinator,
     assert sample("coordinator_fenced_requests_total", {"reason": "transaction_deadline_too_close"}) == fenced_before + 1
     assert sample("coordinator_abort_duration_seconds_count", {"sink": "gated"}) == aborts_before + 1  # its transaction
     assert sample("coordinator_checkpoint_outcomes_total", {"sink": "gated", "outcome": "committed"}) is None
+
+
+def test_http_latency_of_dashboard_routes_is_labelled_with_the_mount(coordinator: Coordinator) -> None:
+    """The dashboard is a mounted app: its routes are labelled with their full template, so they
+    are neither confused with the API's (the dashboard's "/" is not the API's "/") nor raw paths."""
+    from prometheus_client import REGISTRY
+
+    def counts() -> dict[tuple[str, str], float]:
+        return {(s.labels["route"], s.labels["status"]): s.value
+                for f in REGISTRY.collect() if f.name == "coordinator_http_request_duration_seconds"
+                for s in f.samples if s.name.endswith("_count") and s.labels["method"] == "GET"}
+
+    before = counts()
+    app = create_app(coordinator, admin_token=ADMIN, token_secret=b"k")
+    with TestClient(app) as http:
+        for path in ("/dashboard/sinks/orders", "/dashboard/sinks/views", "/dashboard/", "/",
+                     "/dashboard/static/dashboard.js", "/dashboard/no/such/page"):
+            http.get(path, follow_redirects=False)
+    after = counts()
+    grown = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert grown == {
+        ("/dashboard/sinks/{name}", "303"): 2,  # not logged in: to the login page
+        ("/dashboard/", "303"): 1,
+        ("/", "307"): 1,  # the API's root, to the dashboard
+        ("/dashboard/static", "200"): 1,  # the static mount, not a series per file
+        ("/dashboard", "404"): 1,  # inside the dashboard's mount, no route of it
+    }

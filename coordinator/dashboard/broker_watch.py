@@ -1,5 +1,5 @@
-"""The dashboard's view of the broker: stuck last stable offsets (coordinator/broker.py) and
-lingering transactions (recovery_rules.lingering), per sink.
+"""The dashboard's view of the broker, per sink: stuck last stable offsets and lingering
+transactions (coordinator/broker.py: `observe_partitions`, `lingering_transactions`).
 
 A page must not hang on a slow or unreachable broker (the Kafka control plane retries for up to
 its retry budget), so each sink's observation runs in a background thread: a page waits at most
@@ -14,13 +14,13 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..broker import BlockingTransaction, PartitionWatch, StuckPartition, observe_partitions
-from ..kafka_control import ControlPlaneError, KafkaTarget, OpenTransaction
+from ..broker import BlockingTransaction, PartitionWatch, StuckPartition, lingering_transactions, observe_partitions
+from ..kafka_control import ControlPlaneError, OpenTransaction
 from ..protocol import errors as e
-from ..protocol import recovery_rules
 
 if TYPE_CHECKING:
     from ..service import Coordinator
@@ -49,20 +49,31 @@ class BrokerWatch:
         self._running: dict[str, Future[BrokerView]] = {}
 
     def view(self, sink: str) -> BrokerView:
+        return self.views([sink])[sink]
+
+    def views(self, sinks: Sequence[str]) -> dict[str, BrokerView]:
+        """Every sink's view; the observations that are due all start before any is waited for,
+        so a page of many sinks waits at most `wait_s` in all, not `wait_s` per sink."""
+        due: dict[str, tuple[BrokerView | None, Future[BrokerView]]] = {}
+        out: dict[str, BrokerView] = {}
         with self._lock:
-            last = self._last.get(sink)
-            fresh = last is not None and last.observed_at is not None and time.monotonic() - last.observed_at < self.ttl_s
-            if fresh:
-                assert last is not None
-                return last
-            future = self._running.get(sink)
-            if future is None:
-                future = self._pool.submit(self._observe, sink)
-                self._running[sink] = future
-        try:
-            return future.result(timeout=self.wait_s)
-        except FutureTimeout:
-            return last or BrokerView(notes=["observing the broker (no answer yet)"])
+            for sink in sinks:
+                last = self._last.get(sink)
+                if last is not None and last.observed_at is not None and time.monotonic() - last.observed_at < self.ttl_s:
+                    out[sink] = last
+                    continue
+                future = self._running.get(sink)
+                if future is None:
+                    future = self._pool.submit(self._observe, sink)
+                    self._running[sink] = future
+                due[sink] = (last, future)
+        deadline = time.monotonic() + self.wait_s
+        for sink, (last, future) in due.items():
+            try:
+                out[sink] = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                out[sink] = last or BrokerView(notes=["observing the broker (no answer yet)"])
+        return out
 
     def _observe(self, sink: str) -> BrokerView:
         try:
@@ -89,10 +100,7 @@ class BrokerWatch:
             notes.append(f"last stable offsets not observed: {exc}")
         lingering: list[OpenTransaction] = []
         try:
-            sink = c.get_sink(name)
-            target = KafkaTarget(sink.name, sink.bootstrap_servers, sink.transaction_timeout_ms)
-            listed = c.control_plane.list_open_transactions(target, sink.transactional_id_prefix + "-")
-            lingering = recovery_rules.lingering(listed, c.possibly_open_transactions(name)) if listed else []
+            lingering = lingering_transactions(c, name)
         except ControlPlaneError as exc:
             notes.append(f"open transactions not listed: {exc}")
         return BrokerView(stuck, blocking, lingering, notes, time.monotonic())

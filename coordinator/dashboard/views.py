@@ -169,8 +169,8 @@ class Views:
     def now(self) -> datetime:
         return self.coordinator.clock.now()
 
-    def _summary(self, sink: Sink, history: list[CheckpointDetail], unresolved: list[Lease], now: datetime) -> SinkSummary:
-        broker = self.broker.view(sink.name)
+    def _summary(self, sink: Sink, history: list[CheckpointDetail], unresolved: list[Lease], now: datetime,
+                 broker: BrokerView) -> SinkSummary:
         health = sink_health(
             sink, [(d.checkpoint, d.attempts) for d in history], unresolved, now,
             stuck_partitions=len(broker.stuck), lingering=len(broker.lingering), thresholds=self.thresholds,
@@ -183,10 +183,12 @@ class Views:
     def overview(self) -> list[SinkSummary]:
         c = self.coordinator
         now = self.now()
+        sinks = c.list_sinks()
+        broker = self.broker.views([s.name for s in sinks])
         out = []
-        for sink in c.list_sinks():
+        for sink in sinks:
             history = c.checkpoint_history(sink.name, limit=5)
-            out.append(self._summary(sink, history, c.possibly_open_transactions(sink.name), now))
+            out.append(self._summary(sink, history, c.possibly_open_transactions(sink.name), now, broker[sink.name]))
         return out
 
     def sink_page(self, name: str) -> SinkPage:
@@ -198,7 +200,7 @@ class Views:
         rows = [batch_row(d) for d in history]
         events = c.recent_events(name, EVENTS)
         return SinkPage(
-            summary=self._summary(sink, history, unresolved, now),
+            summary=self._summary(sink, history, unresolved, now, self.broker.view(name)),
             rows=rows,
             charts=charts(rows),
             bars=timeout_bars(unresolved, now, sink.transaction_timeout_ms, self.thresholds.near_timeout_fraction),

@@ -33,7 +33,9 @@ def cas(
     where: Sequence[Any] = (),
     **values: Any,
 ) -> list[Row]:
-    """UPDATE table SET state=new WHERE id IN ids AND state IN old; returns the rows it changed."""
+    """UPDATE table SET state=new WHERE id IN ids AND state IN old; returns the rows it changed,
+    by id (RETURNING gives them in physical order, which vacuum and updates shuffle: callers act on
+    Kafka in this order, and the simulation replays a seed only if it is fixed)."""
     ids = list(ids)
     old = list(old)
     for state in old:
@@ -42,14 +44,18 @@ def cas(
         return []
     if not where and not any(isinstance(v, ClauseElement) for v in values.values()):
         stmt = _cas_stmt(table, tuple(str(s) for s in old), str(new), tuple(values))
-        return list(conn.execute(stmt, {"cas_ids": ids, **{f"cas_{k}": v for k, v in values.items()}}))
+        return _by_id(conn.execute(stmt, {"cas_ids": ids, **{f"cas_{k}": v for k, v in values.items()}}))
     stmt = (
         update(table)
         .where(table.c.id.in_(ids), table.c.state.in_([str(s) for s in old]), *where)
         .values(state=str(new), **values)
         .returning(*table.c)
     )
-    return list(conn.execute(stmt))
+    return _by_id(conn.execute(stmt))
+
+
+def _by_id(rows: Iterable[Row]) -> list[Row]:
+    return sorted(rows, key=lambda r: r.id)
 
 
 # Building a Core statement and its cache key costs about as much CPU as executing it. The hot

@@ -95,7 +95,7 @@ RECOVERY_LEADER = Gauge("coordinator_recovery_leader", "1 while this process lea
 RECOVERY_ITERATIONS = Counter("coordinator_recovery_iterations", "Recovery loop iterations run as leader")
 RECOVERY_ERRORS = Counter("coordinator_recovery_errors", "Recovery loop steps that failed", ["step"])
 
-# --- protocol outcomes (recorded by service.py through the functions below) ----------------------
+# --- protocol outcomes (recorded by service/ through the functions below) ------------------------
 
 CHECKPOINT_OUTCOMES = Counter(
     "coordinator_checkpoint_outcomes",

@@ -1,0 +1,58 @@
+"""The coordinator's operations: each one reads the durable state, asks the protocol rules what
+to do, writes the decision with compare-and-set in one Postgres transaction, and only then acts
+on Kafka through the control plane. No database transaction is held open across a Kafka call.
+
+Every operation is safe to retry: the same request finds its own earlier effect and answers
+from it (natural keys: run id, (checkpoint, generation), (attempt, partition, task attempt id),
+the stored pre-commit values, the decided winners).
+
+One module per concern, composed into the one `Coordinator` everyone imports from here:
+- `results.py`: the values the operations take and answer with (Limits, SinkSpec, BeginResult...);
+- `base.py`: the shared state (engine, control plane, clock, limits), the transaction helper,
+  and the Kafka steps both the driver's calls and recovery run (finish a decided commit, abort
+  on Kafka);
+- `protocol_operations.py`: what a driver and its executors call (sinks, generations and lineage,
+  begin, leases, pre-commit, commit, resume, abort);
+- `recovery_operations.py`: what the recovery loop runs (coordinator/recovery.py);
+- `reads.py`: the reads (the API, the dashboard, the CLI, the tests).
+"""
+
+from .base import CoordinatorBase
+from .protocol_operations import ProtocolOperations
+from .reads import Reads
+from .recovery_operations import RecoveryOperations
+from .results import (
+    AbortOutcome,
+    BeginResult,
+    CheckpointDetail,
+    CommitResult,
+    FinishOutcome,
+    Limits,
+    PoolUsage,
+    SinkSpec,
+    SweepOutcome,
+)
+
+
+class Coordinator(ProtocolOperations, RecoveryOperations, Reads):
+    """The coordinator service. Split by concern into parts over one shared state (engine,
+    control plane, clock, limits, `_tx`, `_parallel` in CoordinatorBase), so that each concern has
+    one place a newcomer can read on its own; the public surface is the same as one class."""
+
+
+__all__ = [
+    "AbortOutcome",
+    "BeginResult",
+    "CheckpointDetail",
+    "CommitResult",
+    "Coordinator",
+    "CoordinatorBase",
+    "FinishOutcome",
+    "Limits",
+    "PoolUsage",
+    "ProtocolOperations",
+    "Reads",
+    "RecoveryOperations",
+    "SinkSpec",
+    "SweepOutcome",
+]

@@ -1,0 +1,344 @@
+"""What every part of the coordinator shares: the engine, control plane, clock and limits; the
+database transaction helper; and the two Kafka steps that both the protocol operations and the
+recovery loop run: finishing a decided commit, and aborting leases' transactions on Kafka."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, Engine, select, text, update
+from sqlalchemy.exc import DBAPIError
+
+from .. import metrics
+from ..clock import Clock, SystemClock
+from ..kafka_control import ControlPlaneError, KafkaControlPlane, KafkaTarget, PreparedTransaction
+from ..protocol import errors as e
+from ..protocol import rules
+from ..protocol.model import Attempt, Checkpoint, Lease, Sink
+from ..protocol.states import ABORT_PENDING_STATES, AttemptState, CheckpointState, LeaseState
+from ..store import repo
+from ..store.tables import attempts, checkpoints, leases, sinks
+from .results import AbortOutcome, CommitResult, Limits, _Decision
+
+# one logger for every part of the service package
+log = logging.getLogger("coordinator.service")
+T = TypeVar("T")
+
+# Postgres codes worth retrying the whole transaction for: serialization failure, deadlock.
+_RETRYABLE_SQLSTATES = {"40001", "40P01"}
+
+
+class CoordinatorBase:
+    """The state every part shares, and the steps more than one part runs."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        control_plane: KafkaControlPlane | None,
+        clock: Clock | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        self.engine = engine
+        self.control_plane = control_plane
+        self.clock = clock or SystemClock()
+        self.limits = limits or Limits()
+        self._kafka_pool = ThreadPoolExecutor(max_workers=self.limits.kafka_parallelism, thread_name_prefix="kafka-control")
+
+    def close(self) -> None:
+        self._kafka_pool.shutdown(wait=True)
+        if self.control_plane is not None:
+            self.control_plane.close()
+
+    # --- transactions ------------------------------------------------------------------------
+
+    def _tx(self, fn: Callable[[Connection], T]) -> T:
+        """Run fn in one database transaction, retrying it whole on deadlock, serialization failure
+        or a dead pooled connection (safe: fn has no effect outside the transaction)."""
+        for attempt in range(5):
+            try:
+                with self.engine.begin() as conn:
+                    return fn(conn)
+            except DBAPIError as exc:
+                code = getattr(exc.orig, "sqlstate", None)
+                if (code not in _RETRYABLE_SQLSTATES and not exc.connection_invalidated) or attempt == 4:
+                    raise
+                log.info("retrying transaction after %s", code or "a lost database connection")
+        raise AssertionError("unreachable")
+
+    # --- finishing a decided commit (commit, resume, begin and recovery) ----------------------
+
+    def _aborting_leases(self, checkpoint_ids: Sequence[int], conn: Connection | None = None) -> list[Lease]:
+        """Leases of these checkpoints whose transactions are still to abort on Kafka."""
+        if not checkpoint_ids:
+            return []
+        if conn is None:
+            with self.engine.connect() as own:
+                return self._aborting_leases(checkpoint_ids, own)
+        return repo.leases_where(
+            conn,
+            leases.c.checkpoint_id.in_(list(checkpoint_ids)),
+            leases.c.state.in_([s.value for s in ABORT_PENDING_STATES]),
+        )
+
+    def _result_from(self, sink: Sink, cp: Checkpoint, attempt: Attempt, checkpoint_leases: list[Lease]) -> CommitResult:
+        """The winners, and every other transaction of the checkpoint as aborted or still to abort."""
+        winners = [
+            x for x in checkpoint_leases
+            if x.attempt_id == attempt.id and x.state in (LeaseState.COMMITTING, LeaseState.COMMITTED)
+        ]
+        aborts = AbortOutcome(
+            aborted=[x.transactional_id for x in checkpoint_leases if x.state is LeaseState.ABORTED],
+            pending=[x.transactional_id for x in checkpoint_leases if x.state in ABORT_PENDING_STATES],
+        )
+        warnings = []
+        if attempt.decided_at is not None:
+            w = rules.batch_duration_warning(
+                attempt.started_at, attempt.decided_at, self.limits.restart_budget_ms, sink.transaction_timeout_ms
+            )
+            if w:
+                warnings.append(w)
+        return CommitResult(checkpoint=cp, attempt=attempt, winners=winners, aborts=aborts, warnings=warnings)
+
+    def _finish_commit(self, name: str, checkpoint_id: int) -> CommitResult | None:
+        """Finish a decided commit found in the record (None if it was already finished)."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            cp = repo.as_checkpoint(conn.execute(select(checkpoints).where(checkpoints.c.id == checkpoint_id)).one())
+            if cp.state is CheckpointState.COMMITTED:
+                return None
+            # COMMITTING, or LOST (raises data_lost after committing any winner still to commit)
+            assert cp.committed_attempt is not None
+            attempt = repo.attempt_of(conn, cp.id, cp.committed_attempt)
+            pending = repo.leases_where(
+                conn, leases.c.attempt_id == attempt.id, leases.c.state == LeaseState.COMMITTING.value
+            )
+        return self._commit_winners(_Decision(sink, cp, attempt, pending))
+
+    def _commit_winners(self, decision: _Decision) -> CommitResult:
+        """Commit every decided winner on Kafka by resume, then mark the checkpoint COMMITTED.
+        Safe to run concurrently with itself (driver resume and recovery loop): every write is a CAS."""
+        sink, cp, attempt, pending = decision.sink, decision.checkpoint, decision.attempt, decision.winners
+        started = time.monotonic()
+        if pending and self.control_plane is None:
+            raise e.Unavailable(e.NO_CONTROL_PLANE, "no Kafka control plane configured to finish the commit")
+        target = _target(sink)
+        control_plane = self.control_plane
+
+        def commit_one(lease: Lease) -> ControlPlaneError | None:
+            assert control_plane is not None and lease.producer_id is not None and lease.producer_epoch is not None
+            try:
+                control_plane.commit(
+                    target, PreparedTransaction(lease.transactional_id, lease.producer_id, lease.producer_epoch)
+                )
+            except ControlPlaneError as exc:
+                return exc
+            return None
+
+        failures = {}
+        refused: dict[str, rules.RefusedCommit] = {}  # refused for good: the data is lost
+        for lease, error in zip(pending, self._parallel(commit_one, pending)):
+            if error is not None:
+                failures[lease.transactional_id] = str(error)
+                if not error.retriable:
+                    refused[lease.transactional_id] = rules.RefusedCommit(lease, error.code, str(error))
+        newly_lost: list[Lease] = []
+        outcome: dict[str, Any] = {}
+
+        def record(conn: Connection) -> CommitResult | None:
+            newly_lost.clear()
+            outcome.clear()
+            now = self.clock.now()
+            if refused:  # lock order: sink before checkpoint (the halt is written on the sink)
+                repo.sink_by_name(conn, sink.name, lock="update")
+            locked = repo.as_checkpoint(  # lock order: checkpoint before its leases
+                conn.execute(select(checkpoints).where(checkpoints.c.id == cp.id).with_for_update()).one()
+            )
+            done = [x.id for x in pending if x.transactional_id not in failures]
+            repo.cas(conn, leases, done, [LeaseState.COMMITTING], LeaseState.COMMITTED, resolved_at=now)
+            repo.release_transactional_ids(conn, done)
+            # refused winners: their ids are fenced on Kafka (LOST_ABORTING) before they are free
+            lost_rows = repo.cas(
+                conn, leases, [r.lease.id for r in refused.values()], [LeaseState.COMMITTING], LeaseState.LOST_ABORTING
+            )
+            newly_lost.extend(repo.as_lease(r) for r in lost_rows)
+            checkpoint_leases = repo.leases_where(conn, leases.c.checkpoint_id == cp.id)
+            # a concurrent finisher (driver resume vs recovery) may have committed some already
+            still_committing = {
+                x.transactional_id for x in checkpoint_leases
+                if x.attempt_id == attempt.id and x.state is LeaseState.COMMITTING
+            }
+            for tid in list(failures):
+                if tid not in still_committing:
+                    del failures[tid]
+            if newly_lost:
+                outcome["became_lost"] = locked.state is CheckpointState.COMMITTING
+                locked = self._record_loss(conn, sink, locked, attempt, [refused[x.transactional_id] for x in newly_lost],
+                                           sorted(still_committing), now)
+            outcome["checkpoint"] = locked
+            if failures:
+                repo.add_event(conn, sink.id, "commit_failed", "coordinator", now, cp.id, failures=failures)
+                return None
+            if locked.state is CheckpointState.LOST:
+                return None
+            final_cp, final_attempt = locked, attempt
+            if locked.state is CheckpointState.COMMITTING and not still_committing:
+                (a,) = repo.cas(conn, attempts, [attempt.id], [AttemptState.COMMITTING], AttemptState.COMMITTED, finished_at=now)
+                (c,) = repo.cas(conn, checkpoints, [cp.id], [CheckpointState.COMMITTING], CheckpointState.COMMITTED, committed_at=now)
+                final_cp, final_attempt = repo.as_checkpoint(c), repo.as_attempt(a)
+                outcome["committed_now"] = True
+                repo.add_event(conn, sink.id, "checkpoint_committed", "coordinator", now, cp.id,
+                               batch_id=cp.batch_id, attempt=attempt.number)
+            elif locked.state is CheckpointState.COMMITTED:
+                final_attempt = repo.attempt_by_id(conn, attempt.id)
+            return self._result_from(sink, final_cp, final_attempt, checkpoint_leases)
+
+        result = self._tx(record)
+        final: Checkpoint = outcome["checkpoint"]
+        metrics.commit_finished(sink.name, time.monotonic() - started if pending else None,
+                                committed=outcome.get("committed_now", False), lost=outcome.get("became_lost", False))
+        if newly_lost:  # counted after the transaction committed (it may have been retried)
+            metrics.TRANSACTIONS_LOST.labels(sink.name).inc(len(newly_lost))
+            metrics.SINK_HALTED.labels(sink.name).set(1)
+            if outcome.get("became_lost"):
+                metrics.CHECKPOINTS_LOST.labels(sink.name).inc()
+            log.error("DATA LOST on sink %s: %s (sink halted until an operator acknowledges)", sink.name,
+                      rules.lost_reason(cp.batch_id, [refused[x.transactional_id] for x in newly_lost]))
+        if final.state is CheckpointState.LOST:
+            # fence the refused winners' ids before they can be leased again (I3)
+            self._abort_on_kafka(sink.name, self._aborting_leases([cp.id]))
+            raise rules.data_lost(final)
+        if result is None:
+            raise e.Unavailable(
+                "kafka_commit_failed",
+                f"the commit of batch {cp.batch_id} is decided but {len(failures)} transaction(s) could "
+                "not be committed on Kafka yet; retry (resume) — the decision stands",
+                failures=failures,
+            )
+        return result
+
+    def _record_loss(
+        self,
+        conn: Connection,
+        sink: Sink,
+        cp: Checkpoint,
+        attempt: Attempt,
+        refused: list[rules.RefusedCommit],
+        still_committing: list[str],
+        now: datetime,
+    ) -> Checkpoint:
+        """Kafka refused decided winners for good: the checkpoint and its attempt become LOST, the
+        sink is halted, and the alert goes into the audit trail (the caller counts the metric)."""
+        reason = rules.lost_reason(cp.batch_id, refused)
+        if cp.state is CheckpointState.COMMITTING:
+            (c,) = repo.cas(conn, checkpoints, [cp.id], [CheckpointState.COMMITTING], CheckpointState.LOST,
+                            lost_reason=reason, lost_at=now)
+            repo.cas(conn, attempts, [attempt.id], [AttemptState.COMMITTING], AttemptState.LOST, finished_at=now)
+            cp = repo.as_checkpoint(c)
+        conn.execute(
+            update(sinks).where(sinks.c.id == sink.id, sinks.c.halted_at.is_(None)).values(halted_reason=reason, halted_at=now)
+        )
+        repo.add_event(
+            conn, sink.id, "data_lost", "coordinator", now, cp.id,
+            batch_id=cp.batch_id, attempt=attempt.number, reason=reason,
+            lost=[
+                dict(partition=r.lease.partition, lease_id=r.lease.id, transactional_id=r.lease.transactional_id,
+                     producer_id=r.lease.producer_id, producer_epoch=r.lease.producer_epoch,
+                     records=r.lease.records, code=r.code, message=r.message[:500])
+                for r in refused
+            ],
+            still_committing=still_committing,
+        )
+        return cp
+
+    # --- aborting on Kafka (every part) -------------------------------------------------------
+
+    def _abort_on_kafka(self, name: str, to_abort: Sequence[Lease]) -> AbortOutcome:
+        """Abort each lease's transaction by its id; only then is the id free again.
+
+        The list was read earlier and another caller (a retried request, resume, the recovery
+        loop, another replica) may be aborting the same leases. An abort by id fences whatever
+        producer holds the id, so it must never reach Kafka after the id was released and leased
+        again (it would kill the new lease's transaction, even a pre-committed one). Each lease is
+        therefore claimed with a session advisory lock (no transaction is held across Kafka) and
+        re-checked to be still ABORTING; a lease claimed elsewhere is left to that caller."""
+        if not to_abort:
+            return AbortOutcome()
+        if self.control_plane is None:
+            return AbortOutcome(pending=[x.transactional_id for x in to_abort])
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as guard:
+            try:
+                return self._abort_claimed(name, guard, list({x.id: x for x in to_abort}.values()))
+            finally:
+                guard.execute(text("SELECT pg_advisory_unlock_all()"))
+
+    def _abort_claimed(self, name: str, guard: Connection, candidates: list[Lease]) -> AbortOutcome:
+        claimed = {
+            x.id for x in candidates
+            if guard.execute(
+                text("SELECT pg_try_advisory_lock(hashtextextended('coordinator.lease_abort:' || :id, 0))"),
+                {"id": str(x.id)},
+            ).scalar()
+        }
+        # read after claiming: a lease still ABORTING now cannot be released by anyone but us
+        states = dict(
+            guard.execute(select(leases.c.id, leases.c.state).where(leases.c.id.in_([x.id for x in candidates]))).all()
+        )
+        pending_states = {s.value for s in ABORT_PENDING_STATES}
+        ended_states = {s.value for s in ABORT_PENDING_STATES.values()}
+        to_abort = [x for x in candidates if x.id in claimed and states.get(x.id) in pending_states]
+        already = [x.transactional_id for x in candidates if states.get(x.id) in ended_states]
+        elsewhere = [
+            x.transactional_id for x in candidates
+            if x.id not in claimed and states.get(x.id) not in ended_states
+        ]
+        if not to_abort:
+            return AbortOutcome(aborted=already, pending=elsewhere)
+        control_plane = self.control_plane
+        assert control_plane is not None
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+        target = _target(sink)
+
+        def abort_one(lease: Lease) -> ControlPlaneError | None:
+            started = time.monotonic()
+            try:
+                control_plane.abort(target, lease.transactional_id)
+            except ControlPlaneError as exc:
+                return exc
+            finally:
+                metrics.kafka_abort_finished(sink.name, time.monotonic() - started)
+            return None
+
+        errors = self._parallel(abort_one, list(to_abort))
+        done = [x for x, err in zip(to_abort, errors) if err is None]
+        failed = {x.transactional_id: str(err) for x, err in zip(to_abort, errors) if err is not None}
+
+        def record(conn: Connection) -> None:
+            now = self.clock.now()
+            changed = []
+            for old, new in ABORT_PENDING_STATES.items():  # ABORTING -> ABORTED, LOST_ABORTING -> LOST
+                changed += repo.cas(conn, leases, [x.id for x in done if states[x.id] == old.value], [old], new,
+                                    resolved_at=now)
+            repo.release_transactional_ids(conn, [r.id for r in changed])
+            if changed:
+                repo.add_event(conn, sink.id, "transactions_aborted", "coordinator", now,
+                               transactional_ids=[r.transactional_id for r in changed])
+            if failed:
+                repo.add_event(conn, sink.id, "abort_failed", "coordinator", now, failures=failed)
+
+        self._tx(record)
+        return AbortOutcome(aborted=[*already, *(x.transactional_id for x in done)], pending=[*elsewhere, *failed])
+
+    def _parallel(self, fn: Callable[[Lease], T], items: Sequence[Lease]) -> list[T]:
+        if len(items) <= 1 or self.limits.kafka_parallelism == 1:
+            return [fn(x) for x in items]
+        return list(self._kafka_pool.map(fn, items))
+
+
+def _target(sink: Sink) -> KafkaTarget:
+    return KafkaTarget(sink.name, sink.bootstrap_servers, sink.transaction_timeout_ms)

@@ -1,0 +1,121 @@
+"""The coordinator's reads: sinks, checkpoints, events, open transactions, pool usage, the
+invariant snapshot (the API, the dashboard, the CLI, the recovery sweep and the tests use them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select
+
+from ..protocol.invariants import Snapshot
+from ..protocol.model import Checkpoint, Lease, Sink
+from ..protocol.states import UNRESOLVED_LEASE_STATES, CheckpointState
+from ..store import repo
+from ..store.tables import attempts, checkpoints, events, leases, sinks, transactional_ids
+from .base import CoordinatorBase
+from .results import CheckpointDetail, PoolUsage
+
+
+class Reads(CoordinatorBase):
+    """Reads of the durable state; they change nothing."""
+
+    def list_sinks(self) -> list[Sink]:
+        with self.engine.connect() as conn:
+            return [repo.sink_by_name(conn, n) for n in conn.execute(select(sinks.c.name).order_by(sinks.c.name)).scalars()]
+
+    def get_sink(self, name: str) -> Sink:
+        with self.engine.connect() as conn:
+            return repo.sink_by_name(conn, name)
+
+    def list_checkpoints(
+        self, name: str, *, state: CheckpointState | None = None, before_batch: int | None = None, limit: int = 50
+    ) -> list[Checkpoint]:
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            stmt = select(checkpoints).where(
+                checkpoints.c.sink_id == sink.id, checkpoints.c.query_id == sink.lineage_query_id
+            )
+            if state is not None:
+                stmt = stmt.where(checkpoints.c.state == state.value)
+            if before_batch is not None:
+                stmt = stmt.where(checkpoints.c.batch_id < before_batch)
+            rows = conn.execute(stmt.order_by(checkpoints.c.batch_id.desc()).limit(limit))
+            return [repo.as_checkpoint(r) for r in rows]
+
+    def checkpoint_detail(self, name: str, batch_id: int) -> CheckpointDetail:
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            cp = repo.checkpoint_for(conn, sink, batch_id)
+            return CheckpointDetail(
+                checkpoint=cp,
+                attempts=repo.attempts_of_checkpoint(conn, cp.id),
+                leases=repo.leases_where(conn, leases.c.checkpoint_id == cp.id),
+            )
+
+    def possibly_open_transactions(self, name: str) -> list[Lease]:
+        """Every lease whose transactional id may hold an unresolved transaction on the broker."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            return repo.leases_where(
+                conn, leases.c.sink_id == sink.id, leases.c.state.in_([s.value for s in UNRESOLVED_LEASE_STATES])
+            )
+
+    def list_events(
+        self, name: str, *, after_id: int = 0, batch_id: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            stmt = select(events, checkpoints.c.batch_id).outerjoin(checkpoints, events.c.checkpoint_id == checkpoints.c.id)
+            stmt = stmt.where(events.c.sink_id == sink.id, events.c.id > after_id)
+            if batch_id is not None:
+                stmt = stmt.where(events.c.checkpoint_id == repo.checkpoint_for(conn, sink, batch_id).id)
+            return [dict(r._mapping) for r in conn.execute(stmt.order_by(events.c.id).limit(limit))]
+
+    def recent_events(self, name: str, limit: int = 30) -> list[dict[str, Any]]:
+        """The sink's newest events, newest first (list_events pages oldest first)."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            stmt = select(events, checkpoints.c.batch_id).outerjoin(checkpoints, events.c.checkpoint_id == checkpoints.c.id)
+            stmt = stmt.where(events.c.sink_id == sink.id).order_by(events.c.id.desc()).limit(limit)
+            return [dict(r._mapping) for r in conn.execute(stmt)]
+
+    def checkpoint_history(self, name: str, limit: int = 50) -> list[CheckpointDetail]:
+        """The newest `limit` checkpoints of the sink's current lineage with their attempts and
+        leases, newest first, in three queries (the dashboard's charts and tables)."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            cps = [repo.as_checkpoint(r) for r in conn.execute(
+                select(checkpoints)
+                .where(checkpoints.c.sink_id == sink.id, checkpoints.c.query_id == sink.lineage_query_id)
+                .order_by(checkpoints.c.batch_id.desc())
+                .limit(limit)
+            )]
+            ids = [c.id for c in cps]
+            cp_attempts = [repo.as_attempt(r) for r in conn.execute(
+                select(attempts).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
+            )] if ids else []
+            cp_leases = repo.leases_where(conn, leases.c.checkpoint_id.in_(ids)) if ids else []
+        return [
+            CheckpointDetail(
+                checkpoint=c,
+                attempts=[a for a in cp_attempts if a.checkpoint_id == c.id],
+                leases=[x for x in cp_leases if x.checkpoint_id == c.id],
+            )
+            for c in cps
+        ]
+
+    def pool_usage(self, name: str) -> PoolUsage:
+        """How many of the sink's pooled transactional ids exist and how many are leased."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            rows = conn.execute(
+                select(transactional_ids.c.state, func.count())
+                .where(transactional_ids.c.sink_id == sink.id)
+                .group_by(transactional_ids.c.state)
+            ).all()
+        counts = {state: n for state, n in rows}
+        return PoolUsage(size=sum(counts.values()), leased=counts.get("LEASED", 0), max_size=sink.max_pool_size)
+
+    def snapshot(self) -> Snapshot:
+        with self.engine.connect() as conn:
+            return repo.snapshot(conn)

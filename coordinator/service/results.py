@@ -1,0 +1,102 @@
+"""The values the coordinator's operations take and answer with (the API's schemas, the CLI,
+the dashboard and the tests read them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..kafka_control import OpenTransaction
+from ..protocol.model import Attempt, Checkpoint, Lease, Sink
+from ..protocol.rules import BeginAction
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_partitions: int = 4096
+    broker_max_transaction_timeout_ms: int = 900_000  # Kafka's default transaction.max.timeout.ms
+    restart_budget_ms: int = 60_000
+    # Kafka commits/aborts of one checkpoint run this many at a time; 1 runs them in order (the
+    # simulation needs that, so a seed replays the same schedule).
+    kafka_parallelism: int = 16
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    name: str
+    transactional_id_prefix: str
+    bootstrap_servers: str
+    topics: list[str]
+    transaction_timeout_ms: int = 60_000
+    commit_margin_ms: int | None = None
+    max_pool_size: int | None = None
+
+
+@dataclass(frozen=True)
+class AbortOutcome:
+    aborted: list[str] = field(default_factory=list)  # transactional ids aborted on Kafka
+    pending: list[str] = field(default_factory=list)  # still to abort (Kafka unreachable or unconfigured)
+
+
+@dataclass(frozen=True)
+class BeginResult:
+    action: BeginAction
+    checkpoint: Checkpoint
+    attempt: Attempt | None
+    older_aborted: list[str]
+    older_abort_pending: list[str]
+
+    @property
+    def must_write(self) -> bool:
+        return self.action in (BeginAction.NEW_ATTEMPT, BeginAction.CONTINUE)
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    checkpoint: Checkpoint
+    attempt: Attempt
+    winners: list[Lease]
+    aborts: AbortOutcome
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """A decided commit and the winners still to commit on Kafka."""
+
+    sink: Sink
+    checkpoint: Checkpoint
+    attempt: Attempt
+    winners: list[Lease]
+
+
+@dataclass(frozen=True)
+class FinishOutcome:
+    """What finishing the sink's decided commits did (recovery loop)."""
+
+    committed: list[int] = field(default_factory=list)  # batch ids now COMMITTED
+    lost: list[int] = field(default_factory=list)  # batch ids LOST (Kafka refused a winner for good)
+    failed: dict[int, str] = field(default_factory=dict)  # batch id -> why it is still COMMITTING
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    """The lingering-transaction sweep of one sink."""
+
+    found: list[OpenTransaction] = field(default_factory=list)  # open, and unexplained by the database
+    aborted: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # being leased right now (row locked): explained
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointDetail:
+    checkpoint: Checkpoint
+    attempts: list[Attempt]
+    leases: list[Lease]
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    size: int  # transactional ids created so far (the pool grows on demand)
+    leased: int  # of them held by an unresolved lease
+    max_size: int  # the sink's max_pool_size

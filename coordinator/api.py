@@ -5,7 +5,8 @@ mapping of protocol errors to status codes live here; decisions do not."""
 import logging
 import time
 from dataclasses import asdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request, Response
@@ -335,10 +336,20 @@ def create_app(
 
     # --- operator dashboard (coordinator/dashboard/) ---------------------------------------------
 
-    app.mount("/dashboard", create_dashboard(
+    dashboard = create_dashboard(
         coordinator, admin_token=admin_token, token_secret=token_secret, viewer_token=dashboard_viewer_token,
         secure_cookie=dashboard_secure_cookie,
-    ))
+    )
+    app.mount("/dashboard", dashboard)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Starlette runs no lifespan of a mounted app: the dashboard's (it stops the broker watch's
+        # threads) runs inside this one
+        async with dashboard.router.lifespan_context(dashboard):
+            yield
+
+    app.router.lifespan_context = lifespan
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:

@@ -165,7 +165,19 @@ class AdminApi:
                 raise ApiError(resp.status_code, err["reason"], err["message"])
             except (ValueError, KeyError, TypeError):
                 raise ApiError(resp.status_code, f"http_{resp.status_code}", resp.text[:500]) from None
-        return resp.json()
+        # Not the coordinator's API (a login page, a proxy's redirect, another service): say where
+        # the answer came from instead of failing to decode it.
+        check = "check that --url (or COORDINATOR_URL) points at the coordinator itself, not a proxy or another service"
+        if resp.is_redirect:
+            raise ApiError(resp.status_code, "not_coordinator",
+                           f"{method} {resp.url} answered {resp.status_code} redirecting to "
+                           f"{resp.headers.get('location', '(no Location)')}; {check}")
+        try:
+            return resp.json()
+        except ValueError:
+            raise ApiError(resp.status_code, "not_coordinator",
+                           f"{method} {resp.url} answered {resp.status_code} with "
+                           f"{resp.headers.get('content-type', 'no content type')}, not JSON; {check}") from None
 
 
 def _api(args: argparse.Namespace) -> AdminApi:

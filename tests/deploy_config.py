@@ -21,7 +21,9 @@ ENV_PREFIX = "COORDINATOR_"
 SECRET_NAME = "coordinator-secrets"
 # settings whose values are secrets: only ever by reference (secretKeyRef), never a literal
 SECRET_SETTINGS = {"COORDINATOR_DATABASE_URL", "COORDINATOR_ADMIN_TOKEN", "COORDINATOR_TOKEN_SECRET",
-                   "COORDINATOR_KAFKA_SASL_PASSWORD"}
+                   "COORDINATOR_KAFKA_SASL_PASSWORD", "COORDINATOR_DASHBOARD_VIEWER_TOKEN"}
+# of those, the ones a deployment may leave out of its Secret (secretKeyRef optional: true)
+OPTIONAL_SECRET_SETTINGS = {"COORDINATOR_KAFKA_SASL_PASSWORD", "COORDINATOR_DASHBOARD_VIEWER_TOKEN"}
 
 
 def settings_env_names() -> set[str]:

@@ -7,17 +7,23 @@ Kafka control plane), and keeps its log in a file so a failing test can show it.
 `ProtocolClient` wraps any `httpx.Client` (a real one against a subprocess, or FastAPI's
 TestClient in-process) with one method per protocol call. Each method asserts the expected status
 and returns the decoded JSON; pass `expect=None` to get the raw `httpx.Response` instead.
+
+`scripted_http` is a real HTTP server answering from a `Script`: for answers the coordinator never
+gives (a proxy's error or login page, a redirect, another version's answer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -320,3 +326,46 @@ class ProtocolClient:
 
     def checkpoint(self, sink: str, batch_id: int, *, expect: Expect = 200) -> Any:
         return self.request("GET", f"/v1/sinks/{sink}/checkpoints/{batch_id}", expect=expect)
+
+
+class Script:
+    """What a scripted HTTP server answers: (status, body, headers) in order, the last one repeated."""
+
+    def __init__(self, *answers: tuple[int, str, dict[str, str]]) -> None:
+        self.answers = list(answers)
+        self.requests: list[str] = []
+
+
+@contextlib.contextmanager
+def scripted_http() -> Iterator[tuple[str, Script]]:
+    """A real HTTP server on localhost answering from a Script: for answers the coordinator does not
+    give on purpose (a proxy's 5xx or login page, a redirect, an answer of another version)."""
+    script = Script()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            script.requests.append(f"{self.command} {self.path}")
+            status, body, headers = script.answers.pop(0) if len(script.answers) > 1 else script.answers[0]
+            payload = body.encode()
+            self.send_response(status)
+            for name, value in {"Content-Type": "application/json", **headers}.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", script
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)

@@ -12,16 +12,13 @@ docker-compose e2e suite's job.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
-import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,46 +248,3 @@ class KillWhenDecided:
             KillGroup("decided")("decided", batch_id=batch)
 
         threading.Thread(target=watch, daemon=True).start()
-
-
-class Script:
-    """What a scripted HTTP server answers: (status, body, headers) in order, the last one repeated."""
-
-    def __init__(self, *answers: tuple[int, str, dict[str, str]]) -> None:
-        self.answers = list(answers)
-        self.requests: list[str] = []
-
-
-@contextlib.contextmanager
-def scripted_http() -> Iterator[tuple[str, Script]]:
-    """A real HTTP server on localhost answering from a Script: for answers the coordinator does not
-    give on purpose (a proxy's 5xx or login page, a redirect, an answer of another version)."""
-    script = Script()
-
-    class Handler(BaseHTTPRequestHandler):
-        def _answer(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            script.requests.append(f"{self.command} {self.path}")
-            status, body, headers = script.answers.pop(0) if len(script.answers) > 1 else script.answers[0]
-            payload = body.encode()
-            self.send_response(status)
-            for name, value in {"Content-Type": "application/json", **headers}.items():
-                self.send_header(name, value)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        do_GET = do_POST = _answer
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", script
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)

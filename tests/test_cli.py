@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from kafka_broker import TansuBroker, partition_log, run_transactional_producer, tansu  # noqa: F401 - fixtures
-from servers import REPO_ROOT, ServiceProcess, clean_env
+from servers import REPO_ROOT, ServiceProcess, clean_env, scripted_http
 
 ADMIN = "cli-admin-token-51be"
 
@@ -98,6 +98,22 @@ def test_operator_commands_against_a_running_service(service: ServiceProcess) ->
     assert out.returncode == 1 and "coordinator sinks: forbidden: this action needs the admin token" in out.stderr
     out = run("sinks", url=url, token=None)
     assert out.returncode == 1 and "COORDINATOR_ADMIN_TOKEN" in out.stderr
+
+
+def test_an_answer_that_is_not_the_coordinators_is_one_clear_line() -> None:
+    """--url pointing at something else (a login page, a redirecting proxy): one line naming the URL
+    and what to check, exit 1, no traceback. A scripted HTTP server plays the wrong service."""
+    login_page = (200, "<html><body>Please log in</body></html>", {"Content-Type": "text/html"})
+    redirect = (302, "", {"Location": "https://sso.example/login", "Content-Type": "text/html"})
+    for answer, what in [(login_page, "answered 200 with text/html, not JSON"),
+                         (redirect, "answered 302 redirecting to https://sso.example/login")]:
+        with scripted_http() as (url, script):
+            script.answers = [answer]
+            out = run("checkpoints", "orders", url=url)
+        assert out.returncode == 1 and out.stdout == ""
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"coordinator checkpoints: not_coordinator: GET {url}/v1/sinks/orders/checkpoints")
+        assert what in out.stderr and "check that --url (or COORDINATOR_URL) points at the coordinator" in out.stderr
 
 
 # --- kafka commit-transaction / abort-transaction ---------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -409,6 +410,66 @@ def test_the_overview_observes_every_sinks_broker_at_once(coordinator: Coordinat
         watch.close()
     assert {name: (v.notes, v.observed_at is not None) for name, v in views.items()} == \
         {name: ([], True) for name in names}
+
+
+def test_the_broker_watch_threads_end_with_the_app(coordinator: Coordinator) -> None:
+    """The dashboard is mounted (Starlette runs no lifespan of a mounted app): the API app's
+    lifespan must still shut the dashboard's broker watch down, so no observation thread outlives
+    the app."""
+    def watch_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("dashboard-broker")}
+
+    before = watch_threads()  # other tests' apps (if they leaked any) are not this test's business
+    with TestClient(create_app(coordinator, admin_token=ADMIN, token_secret=SECRET)) as t:
+        new_sink(ProtocolClient(t, ADMIN), "orders")
+        login(t)
+        assert t.get("/dashboard/").status_code == 200  # observes the sink's broker in the watch's pool
+        started = watch_threads() - before
+        assert started, "the overview started no broker observation thread"
+    deadline = time.monotonic() + 30
+    while watch_threads() & started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not watch_threads() & started, "broker watch threads still running after the app's shutdown"
+
+
+def test_the_overview_reads_all_sinks_in_a_fixed_number_of_statements(coordinator: Coordinator) -> None:
+    """The overview refreshes every few seconds: its SQL must not grow with the number of sinks.
+    Counted on the engine for one render, leaving out the broker watch's own observations (its
+    threads, cached for `ttl_s`)."""
+    from sqlalchemy import event
+
+    statements: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if not threading.current_thread().name.startswith("dashboard-broker"):
+            statements.append(statement)
+
+    def render(t: TestClient, sinks: int) -> int:
+        t.get("/dashboard/")  # a first render after a change warms the pool and statement caches
+        statements.clear()
+        event.listen(coordinator.engine, "before_cursor_execute", count)
+        try:
+            page = t.get("/dashboard/").text
+        finally:
+            event.remove(coordinator.engine, "before_cursor_execute", count)
+        assert len(attr(page, "sink-tile", "data-sink")) == sinks
+        return len(statements)
+
+    with TestClient(create_app(coordinator, admin_token=ADMIN, token_secret=SECRET)) as t:
+        api = ProtocolClient(t, ADMIN)
+        login(t)
+
+        def add_sinks(names: list[str]) -> None:
+            for name in names:  # a committed batch and an open one: every part of a tile has rows
+                gen = new_sink(api, name)
+                batch(api, name, gen, 0, [3, 4])
+                batch(api, name, gen, 1, [5], commit=False)
+
+        add_sinks(["s0", "s1"])
+        two = render(t, 2)
+        add_sinks(["s2", "s3", "s4", "s5"])
+        six = render(t, 6)
+    assert six <= two + 2, f"{two} statements for 2 sinks, {six} for 6"
 
 
 def test_names_are_escaped_and_the_wall_screen_flag_sets_large_type(client: TestClient, api: ProtocolClient) -> None:

@@ -150,6 +150,8 @@ def test_coordinator_environment_is_real_settings_and_valid(monkeypatch: pytest.
         assert settings.host == "0.0.0.0" and settings.kafka_control_plane == "kafka"
         assert settings.database_url is not None and "@postgres:5432/" in settings.database_url
         assert settings.admin_token is not None
+        # empty unless set: a falsy token, which coordinator/app.py turns into "no viewer login"
+        assert not settings.dashboard_viewer_token
         if name in REPLICAS:
             url = probe_url(services[name]["healthcheck"]["test"])
             assert url == f"http://127.0.0.1:{settings.port}/readyz" and "/readyz" in routes

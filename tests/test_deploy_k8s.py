@@ -17,6 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from deploy_config import (
+    OPTIONAL_SECRET_SETTINGS,
     REPO_ROOT,
     SECRET_NAME,
     SECRET_SETTINGS,
@@ -205,7 +206,10 @@ def test_environment_names_are_settings_and_secrets_come_only_by_reference(
                     assert env["name"] in fields, f"{kind}: {env['name']} is not a Settings field"
                     if env["name"] in SECRET_SETTINGS:
                         assert "value" not in env, f"{kind}: {env['name']} has a literal value"
-                        assert env["valueFrom"]["secretKeyRef"]["name"] == SECRET_NAME
+                        ref = env["valueFrom"]["secretKeyRef"]
+                        assert ref["name"] == SECRET_NAME
+                        assert ref.get("optional", False) == (env["name"] in OPTIONAL_SECRET_SETTINGS), \
+                            f"{kind}: {env['name']} optional must be {env['name'] in OPTIONAL_SECRET_SETTINGS}"
                 for src in c.get("envFrom", []):
                     assert "configMapRef" in src, src
         deployment_env = {e["name"] for e in one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}

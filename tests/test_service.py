@@ -968,3 +968,42 @@ def test_a_stale_abort_never_hits_a_re_leased_id(
     assert coordinator.begin_partition(NAME, 0, 2, gen, 0, 99).transactional_id == stale.transactional_id
     assert coordinator.run_pending_aborts(NAME) == type(outcome)()
     assert_invariants(coordinator)
+
+
+def test_sink_overviews_answer_as_the_per_sink_reads(coordinator: Coordinator, kafka: RecordingControlPlane):
+    """The dashboard overview's bulk read gives each sink what the per-sink reads give: the newest
+    checkpoints of its current lineage only (an earlier lineage's commits are not its last commit),
+    at most `recent` of them, and its possibly open transactions."""
+    c = coordinator
+
+    def commit_batches(name: str, gen: int, batches: range) -> None:
+        for b in batches:
+            c.begin_checkpoint(name, b, gen, ACTOR)
+            x = lease_and_precommit(c, b, 1, gen, 0, 100 + b, name=name)
+            c.commit(name, b, 1, gen, [PR(0, x.id)], ACTOR)
+
+    g1 = start(c, query="q1")
+    commit_batches(NAME, g1, range(3))
+    c.reset_lineage(NAME, "operator", "new checkpoint location")
+    g2, _ = c.start_generation(NAME, "q2", "r2", ACTOR)
+    c.begin_checkpoint(NAME, 0, g2, ACTOR)
+    lease_and_precommit(c, 0, 1, g2, 0, 1)  # the new lineage's first batch, open
+    other = start(c, name="busy", prefix="busy-eos")
+    commit_batches("busy", other, range(7))
+    c.begin_checkpoint("busy", 7, other, ACTOR)
+    c.register_sink(spec(name="idle", prefix="idle-eos"), ACTOR)
+
+    overviews = c.sink_overviews(recent=5)
+    assert [o.sink.name for o in overviews] == ["busy", "idle", NAME]
+    for o in overviews:
+        name = o.sink.name
+        committed = c.list_checkpoints(name, state=CheckpointState.COMMITTED, limit=1)
+        assert o.sink == c.get_sink(name)
+        assert o.recent == [(d.checkpoint, d.attempts) for d in c.checkpoint_history(name, limit=5)]
+        assert o.last_committed == (committed[0] if committed else None)
+        assert o.unresolved == c.possibly_open_transactions(name)
+    busy, idle, orders = overviews
+    assert [cp.batch_id for cp, _ in busy.recent] == [7, 6, 5, 4, 3] and busy.last_committed.batch_id == 6
+    assert busy.unresolved == [] and idle.recent == [] and idle.last_committed is None
+    assert [(cp.query_id, cp.batch_id) for cp, _ in orders.recent] == [("q2", 0)]
+    assert orders.last_committed is None and [x.state for x in orders.unresolved] == [LeaseState.PRECOMMITTED]

@@ -364,7 +364,7 @@ def test_the_driver_refuses_coordinator_answers_it_does_not_expect(spark: Any, t
     not let the batch pass as committed. A scripted HTTP server stands in for the coordinator."""
     import json
 
-    from spark_support import scripted_http
+    from servers import scripted_http
 
     (tmp_path / "metadata").write_text('{"id":"query-odd"}\n')
     sink = (200, json.dumps({"name": "odd", "transaction_timeout_ms": 60000}), {})

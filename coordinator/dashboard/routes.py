@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -158,7 +159,17 @@ def create_dashboard(
     thresholds: Thresholds = Thresholds(),
     secure_cookie: bool = False,
 ) -> FastAPI:
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    broker = broker or BrokerWatch(coordinator)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            broker.close()
+
+    # (mounted, this lifespan runs only from the parent's: coordinator/api.py enters it)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     secret = session_secret(token_secret)
     app.add_middleware(
         SessionMiddleware, secret_key=secret, session_cookie=SESSION_COOKIE,
@@ -169,9 +180,7 @@ def create_dashboard(
     templates.env.filters["ts"] = lambda d: "" if d is None else d.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
     templates.env.filters["age"] = _age
     templates.env.filters["num"] = lambda n: "" if n is None else f"{n:,}"
-    broker = broker or BrokerWatch(coordinator)
     views = Views(coordinator, broker, thresholds)
-    app.state.broker = broker
     roles = {"admin": admin_token, "viewer": viewer_token}
 
     def operator(request: Request) -> Operator | None:

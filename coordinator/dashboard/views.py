@@ -169,27 +169,20 @@ class Views:
     def now(self) -> datetime:
         return self.coordinator.clock.now()
 
-    def _summary(self, sink: Sink, history: list[CheckpointDetail], unresolved: list[Lease], now: datetime,
-                 broker: BrokerView) -> SinkSummary:
+    def _summary(self, sink: Sink, recent: Sequence[tuple[Checkpoint, Sequence[Attempt]]], last: Checkpoint | None,
+                 unresolved: list[Lease], now: datetime, broker: BrokerView) -> SinkSummary:
         health = sink_health(
-            sink, [(d.checkpoint, d.attempts) for d in history], unresolved, now,
+            sink, recent, unresolved, now,
             stuck_partitions=len(broker.stuck), lingering=len(broker.lingering), thresholds=self.thresholds,
         )
-        committed = self.coordinator.list_checkpoints(sink.name, state=CheckpointState.COMMITTED, limit=1)
-        last = committed[0] if committed else None
         age = ms_between(last.committed_at, now) if last is not None and last.committed_at is not None else None
         return SinkSummary(sink, health, last, age, len(unresolved), broker)
 
     def overview(self) -> list[SinkSummary]:
-        c = self.coordinator
         now = self.now()
-        sinks = c.list_sinks()
-        broker = self.broker.views([s.name for s in sinks])
-        out = []
-        for sink in sinks:
-            history = c.checkpoint_history(sink.name, limit=5)
-            out.append(self._summary(sink, history, c.possibly_open_transactions(sink.name), now, broker[sink.name]))
-        return out
+        sinks = self.coordinator.sink_overviews(recent=5)  # a few queries for all sinks
+        broker = self.broker.views([s.sink.name for s in sinks])
+        return [self._summary(s.sink, s.recent, s.last_committed, s.unresolved, now, broker[s.sink.name]) for s in sinks]
 
     def sink_page(self, name: str) -> SinkPage:
         c = self.coordinator
@@ -199,8 +192,10 @@ class Views:
         unresolved = c.possibly_open_transactions(name)
         rows = [batch_row(d) for d in history]
         events = c.recent_events(name, EVENTS)
+        committed = c.list_checkpoints(name, state=CheckpointState.COMMITTED, limit=1)
         return SinkPage(
-            summary=self._summary(sink, history, unresolved, now, self.broker.view(name)),
+            summary=self._summary(sink, [(d.checkpoint, d.attempts) for d in history], committed[0] if committed else None,
+                                  unresolved, now, self.broker.view(name)),
             rows=rows,
             charts=charts(rows),
             bars=timeout_bars(unresolved, now, sink.transaction_timeout_ms, self.thresholds.near_timeout_fraction),

@@ -29,6 +29,7 @@ from .results import (
     FinishOutcome,
     Limits,
     PoolUsage,
+    SinkOverview,
     SinkSpec,
     SweepOutcome,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "ProtocolOperations",
     "Reads",
     "RecoveryOperations",
+    "SinkOverview",
     "SinkSpec",
     "SweepOutcome",
 ]

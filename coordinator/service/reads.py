@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, select, true
 
 from ..protocol.invariants import Snapshot
 from ..protocol.model import Checkpoint, Lease, Sink
@@ -13,7 +13,7 @@ from ..protocol.states import UNRESOLVED_LEASE_STATES, CheckpointState
 from ..store import repo
 from ..store.tables import attempts, checkpoints, events, leases, sinks, transactional_ids
 from .base import CoordinatorBase
-from .results import CheckpointDetail, PoolUsage
+from .results import CheckpointDetail, PoolUsage, SinkOverview
 
 
 class Reads(CoordinatorBase):
@@ -102,6 +102,40 @@ class Reads(CoordinatorBase):
                 leases=[x for x in cp_leases if x.checkpoint_id == c.id],
             )
             for c in cps
+        ]
+
+    def sink_overviews(self, recent: int = 5) -> list[SinkOverview]:
+        """Every sink, by name, with its newest `recent` checkpoints of the current lineage and
+        their attempts, its newest committed checkpoint and its possibly open transactions: five
+        queries whatever the number of sinks (the dashboard's overview refreshes every few seconds).
+        The per-sink parts are LATERAL subqueries, so each walks its sink's index from the newest
+        batch instead of ranking the whole history."""
+        lineage = and_(checkpoints.c.sink_id == sinks.c.id, checkpoints.c.query_id == sinks.c.lineage_query_id)
+        newest = select(checkpoints).where(lineage).order_by(checkpoints.c.batch_id.desc())
+        recent_cps = newest.limit(recent).lateral("recent_cps")
+        committed = newest.where(checkpoints.c.state == CheckpointState.COMMITTED.value).limit(1).lateral("committed")
+        with self.engine.connect() as conn:
+            all_sinks = [Sink.from_mapping(r._mapping) for r in conn.execute(select(sinks).order_by(sinks.c.name))]
+            cps = [repo.as_checkpoint(r) for r in conn.execute(
+                select(recent_cps).select_from(sinks.join(recent_cps, true()))
+                .order_by(recent_cps.c.sink_id, recent_cps.c.batch_id.desc())
+            )]
+            last = {r.sink_id: repo.as_checkpoint(r) for r in conn.execute(
+                select(committed).select_from(sinks.join(committed, true()))
+            )}
+            ids = [c.id for c in cps]
+            cp_attempts = [repo.as_attempt(r) for r in conn.execute(
+                select(attempts).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
+            )] if ids else []
+            unresolved = repo.leases_where(conn, leases.c.state.in_([s.value for s in UNRESOLVED_LEASE_STATES]))
+        return [
+            SinkOverview(
+                sink=sink,
+                recent=[(c, [a for a in cp_attempts if a.checkpoint_id == c.id]) for c in cps if c.sink_id == sink.id],
+                last_committed=last.get(sink.id),
+                unresolved=[x for x in unresolved if x.sink_id == sink.id],
+            )
+            for sink in all_sinks
         ]
 
     def pool_usage(self, name: str) -> PoolUsage:

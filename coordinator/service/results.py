@@ -96,6 +96,16 @@ class CheckpointDetail:
 
 
 @dataclass(frozen=True)
+class SinkOverview:
+    """One sink as the dashboard's overview shows it (Reads.sink_overviews)."""
+
+    sink: Sink
+    recent: list[tuple[Checkpoint, list[Attempt]]]  # its newest checkpoints, newest first
+    last_committed: Checkpoint | None
+    unresolved: list[Lease]  # leases whose transactional ids may hold an open transaction
+
+
+@dataclass(frozen=True)
 class PoolUsage:
     size: int  # transactional ids created so far (the pool grows on demand)
     leased: int  # of them held by an unresolved lease

@@ -101,3 +101,22 @@ def coordinator(engine: Engine, kafka: RecordingControlPlane, clock: ManualClock
     c = Coordinator(engine, kafka, clock=clock, limits=Limits(max_partitions=256))
     yield c
     c.close()
+
+
+# --- the real Kafka broker (tests/real_kafka.py) ------------------------------------------------
+
+from real_kafka import (  # noqa: E402  (fixtures, registered here for every test module)
+    FIXTURES as REAL_KAFKA_FIXTURES,
+    kafka_each_tv,
+    kafka_faults,
+    kafka_tv1,
+    kafka_tv2,
+    real_kafka,
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that runs against a real Kafka broker `real_kafka`."""
+    for item in items:
+        if set(getattr(item, "fixturenames", ())) & set(REAL_KAFKA_FIXTURES):
+            item.add_marker(pytest.mark.real_kafka)

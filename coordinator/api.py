@@ -18,7 +18,7 @@ from .auth import Principal, tokens_equal, writer_token
 from .broker import PartitionWatch, check_sink_broker, observe_partitions
 from .dashboard import create_dashboard
 from .protocol import errors as e
-from .protocol.model import PartitionResult, Sink
+from .protocol.model import Sink
 from .protocol.rules import PrecommitRequest
 from .protocol.states import CheckpointState
 from .schemas import (
@@ -236,7 +236,8 @@ def create_app(
 
     @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/begin", tags=["protocol"], responses=ERRORS)
     def begin_checkpoint(name: SinkName, batch_id: BatchId, body: BeginCheckpointRequest, who: Writer) -> BeginOut:
-        return BeginOut.of(coordinator.begin_checkpoint(name, batch_id, body.generation, who.actor))
+        return BeginOut.of(coordinator.begin_checkpoint(
+            name, batch_id, body.generation, who.actor, partitions=body.partitions, offsets_digest=body.offsets))
 
     @app.post(
         "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/leases", tags=["protocol"], responses=ERRORS
@@ -247,7 +248,9 @@ def create_app(
         lease = coordinator.begin_partition(name, batch_id, attempt, body.generation, body.partition, body.task_attempt_id)
         out = LeaseOut.of(lease, attempt)
         timeout_ms = int((lease.deadline_at - lease.leased_at).total_seconds() * 1000)
-        return LeaseGranted(**out.model_dump(), transaction_timeout_ms=timeout_ms)
+        age_ms = max(0, int((coordinator.clock.now() - lease.leased_at).total_seconds() * 1000))  # the database's clock
+        return LeaseGranted(**out.model_dump(), transaction_timeout_ms=timeout_ms, age_ms=age_ms,
+                            max_lease_init_age_ms=coordinator.limits.lease_max_init_age_ms)
 
     @app.post("/v1/sinks/{name}/leases/{lease_id}/precommit", tags=["protocol"], responses=ERRORS)
     def precommit(name: SinkName, lease_id: LeaseId, body: PrecommitBody, _: Writer) -> LeaseOut:
@@ -258,7 +261,7 @@ def create_app(
         "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/commit", tags=["protocol"], responses=ERRORS
     )
     def commit(name: SinkName, batch_id: BatchId, attempt: AttemptNo, body: CommitRequest, who: Writer) -> CommitOut:
-        results = [PartitionResult(p.partition, p.lease_id) for p in body.partitions]
+        results = [p.result() for p in body.partitions]
         return CommitOut.of(coordinator.commit(name, batch_id, attempt, body.generation, results, who.actor, body.job_ms))
 
     @app.post(

@@ -28,6 +28,10 @@ def build_coordinator(settings: Settings) -> Coordinator:
             max_partitions=settings.max_partitions,
             broker_max_transaction_timeout_ms=settings.broker_max_transaction_timeout_ms,
             restart_budget_ms=settings.restart_budget_ms,
+            lease_max_init_age_ms=settings.lease_max_init_age_ms,
+            producer_init_timeout_ms=settings.producer_init_timeout_ms,
+            producer_request_timeout_ms=settings.producer_request_timeout_ms,
+            transactional_id_quarantine_ms=settings.transactional_id_quarantine_ms,
         ),
     )
 

@@ -3,12 +3,12 @@ is a 422 naming it, not a silently ignored option."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .protocol.model import Attempt, Checkpoint, Lease, Sink
+from .protocol.model import Attempt, Checkpoint, Lease, PartitionResult, PrecommitRecord, Sink
 from .service import AbortOutcome, BeginResult, CommitResult
 
 Id = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._:-]+$")]
@@ -54,6 +54,13 @@ class LostDataAcknowledgement(Request):
 
 class BeginCheckpointRequest(Request):
     generation: Generation
+    partitions: Annotated[int | None, Field(ge=0, le=100_000, description=(
+        "the batch's partition count: a write answer then carries a pre-leased transactional id for "
+        "each partition's first task try (stage attempt 0, task attempt 0); omit for no pre-leases"))] = None
+    offsets: Annotated[str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9:._-]+$", description=(
+        "a digest of the offsets Spark planned for the batch (its offsets/<batch> entry); bound to the "
+        "checkpoint at the first begin that names one, and a begin over other offsets is refused (409 "
+        "batch_offsets_mismatch). Optional for older clients"))] = None
 
 
 class LeaseRequest(Request):
@@ -71,9 +78,40 @@ class PrecommitBody(Request):
     write_ms: Annotated[int | None, Field(ge=0, description="the task's produce + flush time, for throughput figures")] = None
 
 
+TopicPartitionOffset = tuple[
+    Annotated[str, Field(min_length=1, max_length=249)], Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]
+]
+
+
 class PartitionResultBody(Request):
     partition: Annotated[int, Field(ge=0)]
     lease_id: Annotated[int | None, Field(ge=1, description="the winning lease; null for an empty partition")]
+    # the winner's pre-commit record from its Spark task result (all four, or none if the lease was
+    # pre-committed with the pre-commit call)
+    producer_id: Annotated[int | None, Field(ge=0, le=2**63 - 1)] = None
+    producer_epoch: Annotated[int | None, Field(ge=0, le=32767)] = None
+    records: Annotated[int | None, Field(ge=1)] = None
+    bytes: Annotated[int | None, Field(ge=0)] = None
+    write_ms: Annotated[int | None, Field(ge=0)] = None
+    first_offsets: Annotated[list[TopicPartitionOffset] | None, Field(max_length=100_000, description=(
+        "[topic, partition, offset]: the first offset the transaction wrote in each topic-partition"))] = None
+
+    @model_validator(mode="after")
+    def _record_whole(self) -> PartitionResultBody:
+        given = [v is not None for v in (self.producer_id, self.producer_epoch, self.records, self.bytes)]
+        if any(given) and not all(given):
+            raise ValueError("producer_id, producer_epoch, records and bytes come together (the pre-commit record)")
+        if any(given) and self.lease_id is None:
+            raise ValueError("a pre-commit record needs the lease_id it belongs to")
+        return self
+
+    def result(self) -> PartitionResult:
+        record = None
+        if self.producer_id is not None:
+            assert self.producer_epoch is not None and self.records is not None and self.bytes is not None
+            record = PrecommitRecord(self.producer_id, self.producer_epoch, self.records, self.bytes, self.write_ms,
+                                     [list(x) for x in self.first_offsets] if self.first_offsets is not None else None)
+        return PartitionResult(self.partition, self.lease_id, record)
 
 
 class CommitRequest(Request):
@@ -185,6 +223,18 @@ class LeaseOut(BaseModel):
 
 class LeaseGranted(LeaseOut):
     transaction_timeout_ms: int
+    age_ms: int = Field(0, description="the lease's age when answered, by the database's clock")
+    max_lease_init_age_ms: int | None = Field(None, description="a task never starts init_transactions on a lease older")
+
+
+class PreLeaseOut(BaseModel):
+    lease_id: int
+    partition: int
+    transactional_id: str
+    leased_at: datetime
+    deadline_at: datetime
+    transaction_timeout_ms: int
+    age_ms: int = Field(description="the lease's age when answered, by the database's clock")
 
 
 class BeginOut(BaseModel):
@@ -195,9 +245,18 @@ class BeginOut(BaseModel):
     resumed: bool = Field(description="a decided but unfinished commit was finished by this call")
     aborted: list[str] = Field(description="transactional ids of older attempts aborted")
     abort_pending: list[str] = Field(description="transactional ids of older attempts still to abort")
+    pre_leases: list[PreLeaseOut] = Field(
+        default_factory=list, description="with action write and a partition count: each partition's first-try lease"
+    )
+    commit_margin_ms: int | None = Field(None, description="a task fails rather than return a transaction this "
+                                         "close to its deadline (the commit gate would refuse it)")
+    max_lease_init_age_ms: int | None = Field(None, description="a task never starts init_transactions on a lease older")
+    producer_init_timeout_ms: int | None = Field(None, description="the init_transactions timeout tasks use")
+    producer_request_timeout_ms: int | None = Field(None, description="the producer request timeout tasks use")
 
     @classmethod
     def of(cls, r: BeginResult) -> BeginOut:
+        at = r.answered_at
         return cls(
             action="write" if r.must_write else "skip",
             batch_id=r.checkpoint.batch_id,
@@ -206,7 +265,20 @@ class BeginOut(BaseModel):
             resumed=r.action == "resume",
             aborted=r.older_aborted,
             abort_pending=r.older_abort_pending,
+            pre_leases=[
+                PreLeaseOut(
+                    lease_id=x.id, partition=x.partition, transactional_id=x.transactional_id, leased_at=x.leased_at,
+                    deadline_at=x.deadline_at, transaction_timeout_ms=_ms(x.deadline_at - x.leased_at),
+                    age_ms=max(0, _ms(at - x.leased_at)) if at is not None else 0,
+                )
+                for x in r.pre_leases
+            ],
+            **(r.lease_rules or {}),
         )
+
+
+def _ms(d: timedelta) -> int:
+    return int(d / timedelta(milliseconds=1))
 
 
 class CommittedPartition(BaseModel):

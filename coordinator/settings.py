@@ -43,6 +43,14 @@ class Settings(BaseSettings):
     max_partitions: int = Field(4096, ge=1, le=100_000)
     broker_max_transaction_timeout_ms: int = Field(900_000, ge=1_000)
     restart_budget_ms: int = Field(60_000, ge=0)
+    # No quick reuse (DESIGN §3 Revisions): executors start init_transactions only on a lease
+    # younger than lease_max_init_age_ms and give it producer_init_timeout_ms (its requests
+    # producer_request_timeout_ms); an id freed from an undecided try is leased again only after
+    # transactional_id_quarantine_ms, which must exceed the three together (checked at start).
+    lease_max_init_age_ms: int = Field(30_000, ge=1_000)
+    producer_init_timeout_ms: int = Field(60_000, ge=1_000)
+    producer_request_timeout_ms: int = Field(60_000, ge=1_000)
+    transactional_id_quarantine_ms: int = Field(180_000, ge=1_000)
     db_pool_size: int = Field(20, ge=1, le=500)
     # The recovery loop (one leader among replicas): finishes decided commits, aborts expired
     # leases and lingering transactions, warns before timeouts. The leader's lease lasts

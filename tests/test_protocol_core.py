@@ -116,6 +116,8 @@ LEGAL = {
     LeaseState: {
         (LeaseState.LEASED, LeaseState.PRECOMMITTED),
         (LeaseState.LEASED, LeaseState.ABORTING),
+        (LeaseState.LEASED, LeaseState.COMMITTING),  # the pre-commit record came with the commit
+        (LeaseState.LEASED, LeaseState.ABORTED),  # an empty partition's unused first-try lease
         (LeaseState.PRECOMMITTED, LeaseState.COMMITTING),
         (LeaseState.PRECOMMITTED, LeaseState.ABORTING),
         (LeaseState.COMMITTING, LeaseState.COMMITTED),

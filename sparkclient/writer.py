@@ -13,6 +13,7 @@ or a failed job raises, so the query stops and Spark replays the batch when it i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .client import CoordinatorClient, CoordinatorError
-from .executor import FaultHook, TaskResult, TaskSpec, write_partition
+from .executor import KAFKA_CALL_TIMEOUT_S, FaultHook, TaskResult, TaskSpec, write_partition
 from .options import WriterOptionError, WriterOptions
 from .schema import check_schema
 
@@ -86,7 +87,11 @@ class ExactlyOnceKafkaWriter:
         columns = check_schema(df.schema, topic_option=o.topic)  # before anything is written
         client = self._driver_client()
         generation = self._ensure_generation(df)
-        begun = client.begin(batch_id, generation)
+        rows = df.select(*columns.columns).rdd
+        partitions = rows.getNumPartitions()
+        offsets = read_offsets_digest(df.sparkSession, o.checkpoint_location, batch_id)
+        begun = client.begin(batch_id, generation, partitions=partitions, offsets=offsets)
+        received_at = time.time()  # the pre-leases' age is measured from here (plus their age when answered)
         if begun.get("action") not in ("write", "skip") or (begun["action"] == "write" and begun.get("attempt") is None):
             raise _unexpected("begin", batch_id, f"action {begun.get('action')!r} (attempt {begun.get('attempt')})",
                               "action 'write' with an attempt, or 'skip'")
@@ -102,10 +107,16 @@ class ExactlyOnceKafkaWriter:
             attempt=attempt, generation=generation, bootstrap_servers=o.bootstrap_servers,
             producer_config=o.producer_config, topic=o.topic, columns=columns.columns,
             provenance_headers=o.provenance_headers, fault_hook=self.fault_hook,
+            pre_leases={int(x["partition"]): x for x in begun.get("pre_leases", [])},
+            leases_received_at=received_at,
+            commit_margin_ms=int(begun.get("commit_margin_ms") or 0),
+            max_lease_init_age_ms=begun.get("max_lease_init_age_ms"),
+            producer_init_timeout_ms=int(begun.get("producer_init_timeout_ms") or KAFKA_CALL_TIMEOUT_S * 1000),
+            producer_request_timeout_ms=begun.get("producer_request_timeout_ms"),
         )
         job_started = time.monotonic()
         try:
-            results, partitions = _run_write_job(df.select(*columns.columns), spec)
+            results = _run_write_job(rows, partitions, spec)
         except BaseException as exc:
             # the job failed (a task exhausted its retries, or the query is stopping): end this
             # attempt's transactions now rather than wait for the next begin or the recovery loop
@@ -116,10 +127,13 @@ class ExactlyOnceKafkaWriter:
                             abort_error)
             raise
         job_ms = _ms_since(job_started)
-        winners = winners_of(results, partitions)
+        accepted = accepted_results(results, partitions)
+        winners = {p: r.lease_id for p, r in accepted.items()}
         self._hook("before_commit", batch_id=batch_id, attempt=attempt, generation=generation, winners=winners)
         commit_started = time.monotonic()
-        answer = client.commit(batch_id, attempt, generation, winners, job_ms)  # a refusal raises: Spark replays
+        # the winners' pre-commit records travel with the commit (stored with the decision); a refusal raises
+        answer = client.commit(batch_id, attempt, generation, winners, job_ms,
+                               records={p: r.precommit_record() for p, r in accepted.items() if r.lease_id is not None})
         if answer.get("state") != "COMMITTED" or answer.get("attempt") != attempt:
             raise _unexpected("commit", batch_id, f"state {answer.get('state')!r} for attempt {answer.get('attempt')}",
                               f"state 'COMMITTED' for attempt {attempt}")
@@ -131,10 +145,10 @@ class ExactlyOnceKafkaWriter:
         for warning in answer.get("warnings", []):
             log.warning("batch %d: %s", batch_id, warning)
         self._hook("after_commit", batch_id=batch_id, attempt=attempt, generation=generation, winners=winners)
-        accepted = [r for r in results if r.lease_id is not None]
+        written = [r for r in accepted.values() if r.lease_id is not None]
         self._report(BatchReport(
-            batch_id, "committed", attempt, partitions, sum(r.records for r in accepted),
-            sum(r.bytes for r in accepted), job_ms, commit_ms, _ms_since(started), winners,
+            batch_id, "committed", attempt, partitions, sum(r.records for r in written),
+            sum(r.bytes for r in written), job_ms, commit_ms, _ms_since(started), winners,
         ))
 
     # --- driver helpers -----------------------------------------------------------------------
@@ -192,28 +206,59 @@ class ExactlyOnceKafkaWriter:
             self._client = None
 
 
-def _run_write_job(df: Any, spec: TaskSpec) -> tuple[list[TaskResult], int]:
+def _run_write_job(rows: Any, partitions: int, spec: TaskSpec) -> list[TaskResult]:
     """One task per partition; `collect` returns exactly one result per partition: the one of the
     task attempt Spark accepted (a retried or speculative copy's result is discarded)."""
-    rdd = df.rdd.mapPartitionsWithIndex(lambda index, rows: write_partition(spec, index, rows))
-    partitions = rdd.getNumPartitions()
     if partitions == 0:
-        return [], 0
-    return rdd.collect(), partitions
+        return []
+    return rows.mapPartitionsWithIndex(lambda index, part: write_partition(spec, index, part)).collect()
+
+
+def accepted_results(results: list[TaskResult], partitions: int) -> dict[int, TaskResult]:
+    """Partition -> the task result Spark accepted, for every partition 0..N-1."""
+    accepted: dict[int, TaskResult] = {}
+    for r in results:
+        if r.partition in accepted:
+            raise RuntimeError(f"two accepted results for partition {r.partition}: {accepted[r.partition].lease_id} "
+                               f"and {r.lease_id}")
+        accepted[r.partition] = r
+    missing = [p for p in range(partitions) if p not in accepted]
+    if missing:
+        raise RuntimeError(f"no task result for partitions {missing} of {partitions}")
+    return accepted
 
 
 def winners_of(results: list[TaskResult], partitions: int) -> dict[int, int | None]:
     """Partition -> winning lease id (None when empty), for every partition 0..N-1."""
-    winners: dict[int, int | None] = {}
-    for r in results:
-        if r.partition in winners:
-            raise RuntimeError(f"two accepted results for partition {r.partition}: {winners[r.partition]} and "
-                               f"{r.lease_id}")
-        winners[r.partition] = r.lease_id
-    missing = [p for p in range(partitions) if p not in winners]
-    if missing:
-        raise RuntimeError(f"no task result for partitions {missing} of {partitions}")
-    return winners
+    return {p: r.lease_id for p, r in accepted_results(results, partitions).items()}
+
+
+def read_offsets_digest(spark: Any, checkpoint_location: str, batch_id: int) -> str | None:
+    """A digest of the offsets Spark planned for the batch: its `offsets/<batch_id>` entry without
+    the first two lines (the log version and the batch's metadata, whose timestamp is not part of
+    what the batch reads). None when the entry cannot be read (the coordinator then checks nothing)."""
+    try:
+        jvm = spark.sparkContext._jvm
+        path = jvm.org.apache.hadoop.fs.Path(f"{checkpoint_location.rstrip('/')}/offsets/{batch_id}")
+        fs = path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+        if not fs.exists(path):
+            return None
+        stream = fs.open(path)
+        try:
+            reader = jvm.java.io.BufferedReader(jvm.java.io.InputStreamReader(stream, "UTF-8"))
+            lines = []
+            while (line := reader.readLine()) is not None:
+                lines.append(str(line))
+        finally:
+            stream.close()
+    except Exception as exc:  # noqa: BLE001 - e.g. Spark Connect (no JVM here): the check is optional
+        log.debug("batch %d: offsets entry not readable (%s); begin names no offsets", batch_id, exc)
+        return None
+    return offsets_digest(lines)
+
+
+def offsets_digest(entry_lines: list[str]) -> str:
+    return "sha256:" + hashlib.sha256("\n".join(entry_lines[2:]).encode()).hexdigest()
 
 
 def read_query_id(spark: Any, checkpoint_location: str) -> str:

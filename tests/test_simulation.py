@@ -258,23 +258,24 @@ def test_checker_catches_commit_without_the_timeout_gate(engine: Engine, monkeyp
     assert any(v.startswith(("I4", "I7", "LIVENESS")) for v in found.violations), found.report()
 
 
-def test_checker_catches_re_leasing_an_id_that_holds_a_precommitted_transaction(
+def test_checker_catches_re_leasing_an_id_that_holds_an_open_transaction(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = repo.take_free_transactional_id
+    original = repo.take_free_transactional_ids
 
-    def leaky(conn, sink, prefix_for):  # type: ignore[no-untyped-def]
+    def leaky(conn, sink, n, now, prefix_for):  # type: ignore[no-untyped-def]
         held = conn.execute(
             select(transactional_ids.c.id, transactional_ids.c.transactional_id)
             .join(leases, leases.c.id == transactional_ids.c.lease_id)
-            .where(transactional_ids.c.sink_id == sink.id, leases.c.state == "PRECOMMITTED")
+            .where(transactional_ids.c.sink_id == sink.id, leases.c.state.in_(["LEASED", "PRECOMMITTED"]))
             .order_by(transactional_ids.c.ordinal).limit(1)
         ).first()
         if held is not None:
-            return held.id, held.transactional_id
-        return original(conn, sink, prefix_for)
+            return [(held.id, held.transactional_id), *original(conn, sink, n - 1, now, prefix_for)] if n > 1 else [
+                (held.id, held.transactional_id)]
+        return original(conn, sink, n, now, prefix_for)
 
-    monkeypatch.setattr(repo, "take_free_transactional_id", leaky)
+    monkeypatch.setattr(repo, "take_free_transactional_ids", leaky)
     found = first_violation(engine, FaultConfig(), range(2000, 2040))
     assert found is not None, "no violation within 40 seeds"
     assert any(v.startswith(("I3", "I7", "I2")) for v in found.violations), found.report()

@@ -8,6 +8,7 @@ Every figure line is `key=value` pairs after a label, so a test or a script can 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import warnings
@@ -282,11 +283,12 @@ def figure_line(label: str, **figures: float | int | str | None) -> str:
 
 
 def parse_figure_line(line: str) -> tuple[str, dict[str, str]]:
-    """The inverse of figure_line: (label, {key: value})."""
+    """The inverse of figure_line: (label, {key: value}). Keys are lower-case names, so a label
+    word like `P=2` stays in the label."""
     label, figures = [], {}
     for word in line.split():
-        if "=" in word:
-            k, v = word.split("=", 1)
+        k, eq, v = word.partition("=")
+        if eq and re.fullmatch(r"[a-z][a-z0-9_]*", k):
             figures[k] = v
         elif not figures:
             label.append(word)

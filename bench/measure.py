@@ -71,6 +71,28 @@ def pg_counters(url: str) -> tuple[int, int, int]:
         return int(c), int(r), int(n)
 
 
+def table_writes(url: str) -> dict[str, tuple[int, int, int]]:
+    """table -> (rows inserted, rows updated, of which HOT) so far, for the coordinator's tables. A
+    HOT update writes no index entry; any other update writes one in every index of the table."""
+    import psycopg
+
+    with psycopg.connect(plain_url(url), autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = 'public'"
+        ).fetchall()
+    return {name: (int(i), int(u), int(h)) for name, i, u, h in rows}
+
+
+def table_writes_per(a: dict[str, tuple[int, int, int]], b: dict[str, tuple[int, int, int]], n: int) -> str:
+    """Per-unit deltas, e.g. `leases ins 2.0 upd 4.0 (hot 0.0)`, busiest tables first."""
+    out = []
+    for name in sorted(b, key=lambda t: -sum(b[t]) + sum(a.get(t, (0, 0, 0)))):
+        i, u, h = (x - y for x, y in zip(b[name], a.get(name, (0, 0, 0))))
+        if i or u:
+            out.append(f"{name} ins {i / n:.1f} upd {u / n:.1f} (hot {h / n:.1f})")
+    return "; ".join(out)
+
+
 class WaitSampler(threading.Thread):
     """Samples pg_stat_activity of the benchmark's database every 50 ms: where the coordinator's
     sessions are (running, waiting on a lock or on WAL, or idle in a transaction while the client

@@ -104,6 +104,8 @@ def print_run(r: dict[str, Any]) -> None:
         r["round_trips_per_batch"] = st + 2 * co
         print(f"per batch: {st:.1f} SQL statements, {co:.1f} pool checkouts; ~{st + 2 * co:.0f} round trips to "
               "Postgres (the statements, plus BEGIN and COMMIT or ROLLBACK per checkout)")
+    if r.get("row_writes_per_batch"):
+        print(f"row writes per batch: {r['row_writes_per_batch']}")
     cpu = r["cpu"]
     print(f"CPU cores used: load {cpu['bench']:.2f}, server {cpu['server']:.2f}, postgres {cpu['postgres']:.2f}, "
           f"other {cpu['other']:.2f}; machine busy {cpu['machine_busy_pct']:.0f}%")

@@ -16,7 +16,10 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from measure import SqlCounter, WaitSampler, cpu_delta, cpu_snapshot, log, percentile, pg_counters, plain_url
+from measure import (
+    SqlCounter, WaitSampler, cpu_delta, cpu_snapshot, log, percentile, pg_counters, plain_url, table_writes,
+    table_writes_per,
+)
 from protocol_clients import HttpSink, InprocessSink, Rejected
 
 CALLS = ("begin", "lease", "precommit", "commit", "cycle")
@@ -205,6 +208,7 @@ def run_load(label: str, jobs: list[dict[str, Any]], *, seconds: float, warmup: 
     window[1] = now + warmup + seconds
     go.set()
     time.sleep(max(0.0, window[0] - time.monotonic()))
+    writes0 = table_writes(url)
     cpu0, (c0, r0, n0), w0 = cpu_snapshot(server_pid, postgres_pid), pg_counters(url), time.monotonic()
     sampler = WaitSampler(url)
     sampler.start()
@@ -221,6 +225,7 @@ def run_load(label: str, jobs: list[dict[str, Any]], *, seconds: float, warmup: 
     waits = sampler.stop()
     time.sleep(1.1)  # let backends flush their transaction counters
     c1, r1, n1 = pg_counters(url)
+    writes1 = table_writes(url)
     outs = [results.get(timeout=300) for _ in procs]
     for p in procs:
         p.join(timeout=30)
@@ -258,6 +263,9 @@ def run_load(label: str, jobs: list[dict[str, Any]], *, seconds: float, warmup: 
         "db_sessions_opened_per_s": max(0, n1 - n0 - 2) / (w1 - w0),  # less the sampler and counter query
         "cpu": cpu_delta(cpu0, cpu1, w1 - w0),
         "db_sessions": waits,
+        # the window's batches plus each driver's last one, finished after the window closed
+        "row_writes_per_batch": table_writes_per(
+            writes0, writes1, done + sum(len(o["first_cycles"]) for o in outs)) if done else "",
     }
 
 

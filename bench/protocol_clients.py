@@ -78,10 +78,10 @@ class HttpSink:
 
         try:
             r = self._client().post(self.base + path, json=body)
-        except httpx.RemoteProtocolError:
-            # the server closed an idle keep-alive connection as we reused it (uvicorn's 5 s
-            # keep-alive timeout, reached when a slow batch leaves an executor's connection idle):
-            # protocol calls are safe to retry, as the writer's client does
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            # the server closed (or reset) an idle keep-alive connection as we reused it (uvicorn's
+            # 5 s keep-alive timeout, reached when a slow batch leaves an executor's connection
+            # idle): protocol calls are safe to retry, as the writer's client does
             r = self._client().post(self.base + path, json=body)
         if r.status_code >= 300:
             try:

@@ -81,6 +81,11 @@ def serve(args: argparse.Namespace) -> int:
         port=port,
         workers=workers,
         log_level=settings.log_level,
+        # uvloop sets TCP_NODELAY on every accepted connection; asyncio does not on the socket
+        # uvicorn shares between --workers, and a response's second write then waits ~40 ms for
+        # the client's delayed ACK (tests/test_serve_keepalive.py)
+        loop="uvloop",
+        http="httptools",
     )
     return 0
 

@@ -35,8 +35,10 @@ def test_downgrade_to_base_and_upgrade_again(database_url):
 def test_indexes_for_the_hot_queries_exist(engine):
     insp = inspect(engine)
     names = {ix["name"] for t in TABLES for ix in insp.get_indexes(t)}
-    # pool leasing, unresolved-transaction sweeps, open-attempt lookups, audit trail paging
-    assert {"ix_transactional_ids_free", "ix_leases_unresolved", "ix_attempts_open", "ix_events_sink_id_id"} <= names
+    # pool leasing, unresolved-transaction sweeps, open-attempt lookups, audit trail paging, freeing
+    # a resolved lease's id
+    assert {"ix_transactional_ids_free", "ix_leases_unresolved", "ix_attempts_open", "ix_events_sink_id_id",
+            "ix_transactional_ids_lease_id"} <= names
 
 
 def test_state_columns_only_take_their_machine_states(engine):

@@ -191,3 +191,11 @@ recovery_leader = Table(
     Column("acquired_at", TS, nullable=True),
     Column("expires_at", TS, nullable=False),
 )
+
+# Freeing a resolved lease's id (every commit and abort) looks it up by lease_id; only LEASED ids
+# have one. Declared here, apart from the table, to keep the pool's definition in one piece.
+Index(
+    "ix_transactional_ids_lease_id",
+    transactional_ids.c.lease_id,
+    postgresql_where=text("lease_id IS NOT NULL"),
+)

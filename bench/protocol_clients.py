@@ -1,0 +1,219 @@
+"""The protocol benchmark's clients: the same protocol calls made in process (on `Coordinator`) or
+over HTTP (to `coordinator serve`), the sinks they write to, and the server as deployed."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+class Rejected(Exception):
+    """A protocol call answered with an error (counted by reason, the run goes on)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+class InprocessSink:
+    def __init__(self, coordinator: Any, name: str) -> None:
+        self.c = coordinator
+        self.name = name
+        self.actor = f"writer:{name}"
+
+    def start_generation(self, query_id: str, run_id: str) -> int:
+        gen, _ = self.c.start_generation(self.name, query_id, run_id, self.actor)
+        return gen
+
+    def begin(self, batch_id: int, generation: int) -> int | None:
+        r = self.c.begin_checkpoint(self.name, batch_id, generation, self.actor)
+        return r.attempt.number if r.must_write else None
+
+    def lease(self, batch_id: int, attempt: int, generation: int, partition: int, task_attempt_id: int) -> int:
+        return self.c.begin_partition(self.name, batch_id, attempt, generation, partition, task_attempt_id).id
+
+    def precommit(self, lease_id: int, generation: int, producer_id: int, records: int) -> None:
+        from coordinator.protocol.rules import PrecommitRequest
+
+        self.c.precommit(self.name, lease_id, generation, PrecommitRequest(producer_id, 0, records, records * 100))
+
+    def commit(self, batch_id: int, attempt: int, generation: int, winners: list[tuple[int, int]]) -> int:
+        from coordinator.protocol.model import PartitionResult
+
+        results = [PartitionResult(p, lid) for p, lid in winners]
+        return len(self.c.commit(self.name, batch_id, attempt, generation, results, self.actor).winners)
+
+
+class HttpSink:
+    """One httpx.Client (keep-alive connection) per calling thread."""
+
+    def __init__(self, base_url: str, name: str, token: str) -> None:
+        self.name = name
+        self.base = f"{base_url}/v1/sinks/{name}"
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self._local = threading.local()
+        self._clients: list[Any] = []
+
+    def _client(self) -> Any:
+        c = getattr(self._local, "client", None)
+        if c is None:
+            import httpx
+
+            c = httpx.Client(headers=self.headers, timeout=60.0, limits=httpx.Limits(max_connections=1))
+            self._local.client = c
+            self._clients.append(c)
+        return c
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        import httpx
+
+        try:
+            r = self._client().post(self.base + path, json=body)
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            # the server closed (or reset) an idle keep-alive connection as we reused it (uvicorn's
+            # 5 s keep-alive timeout, reached when a slow batch leaves an executor's connection
+            # idle): protocol calls are safe to retry, as the writer's client does
+            r = self._client().post(self.base + path, json=body)
+        if r.status_code >= 300:
+            try:
+                err = r.json()["error"]
+                raise Rejected(err.get("reason", str(r.status_code)), err.get("message", r.text))
+            except (ValueError, KeyError, TypeError):
+                raise Rejected(f"http_{r.status_code}", r.text[:300]) from None
+        return r.json()
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.close()
+
+    def start_generation(self, query_id: str, run_id: str) -> int:
+        return self._post("/generations", {"query_id": query_id, "run_id": run_id})["generation"]
+
+    def begin(self, batch_id: int, generation: int) -> int | None:
+        r = self._post(f"/checkpoints/{batch_id}/begin", {"generation": generation})
+        return r["attempt"] if r["action"] == "write" else None
+
+    def lease(self, batch_id: int, attempt: int, generation: int, partition: int, task_attempt_id: int) -> int:
+        body = {"generation": generation, "partition": partition, "task_attempt_id": task_attempt_id}
+        return self._post(f"/checkpoints/{batch_id}/attempts/{attempt}/leases", body)["lease_id"]
+
+    def precommit(self, lease_id: int, generation: int, producer_id: int, records: int) -> None:
+        body = {"generation": generation, "producer_id": producer_id, "producer_epoch": 0,
+                "records": records, "bytes": records * 100}
+        self._post(f"/leases/{lease_id}/precommit", body)
+
+    def commit(self, batch_id: int, attempt: int, generation: int, winners: list[tuple[int, int]]) -> int:
+        body = {"generation": generation, "partitions": [{"partition": p, "lease_id": lid} for p, lid in winners]}
+        return len(self._post(f"/checkpoints/{batch_id}/attempts/{attempt}/commit", body)["committed"])
+
+
+# --- sinks, server ------------------------------------------------------------------------------
+
+
+def sink_names(tag: str, mode: str, partitions: int, drivers: int) -> list[str]:
+    # fixed-width numbers: no prefix may start another sink's prefix
+    return [f"bench-{tag}-{mode}-{partitions}p-d{i:04d}" for i in range(drivers)]
+
+
+def register_inprocess(url: str, names: list[str]) -> list[dict[str, str]]:
+    from coordinator.kafka_control import RecordingControlPlane
+    from coordinator.service import Coordinator, SinkSpec
+    from coordinator.store.db import make_engine
+
+    engine = make_engine(url, pool_size=2)
+    c = Coordinator(engine, RecordingControlPlane())
+    try:
+        for n in names:
+            c.register_sink(SinkSpec(name=n, transactional_id_prefix=f"tx-{n}", bootstrap_servers="localhost:9092",
+                                     topics=["bench"]), "admin")
+    finally:
+        c.close()
+        engine.dispose()
+    return [{"name": n} for n in names]
+
+
+def register_http(base_url: str, admin_token: str, names: list[str]) -> list[dict[str, str]]:
+    import httpx
+
+    out = []
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {admin_token}"}, timeout=60) as c:
+        for n in names:
+            r = c.post("/v1/sinks", json={"name": n, "transactional_id_prefix": f"tx-{n}",
+                                          "bootstrap_servers": "localhost:9092", "topics": ["bench"]})
+            r.raise_for_status()
+            out.append({"name": n, "token": r.json()["writer_token"]})
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`coordinator serve` (the production entry point: migrate, then uvicorn with --workers) in a
+    subprocess of its own process group, record-only Kafka control plane."""
+
+    def __init__(self, url: str, workers: int, pool_size: int, log_level: str, log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.admin_token = secrets.token_urlsafe(24)
+        env = dict(os.environ)
+        env.update({
+            "COORDINATOR_DATABASE_URL": url,
+            "COORDINATOR_ADMIN_TOKEN": self.admin_token,
+            "COORDINATOR_KAFKA_CONTROL_PLANE": "none",
+            "COORDINATOR_DB_POOL_SIZE": str(pool_size),
+            "COORDINATOR_LOG_LEVEL": log_level,
+            "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        })
+        self.log_file = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--workers", str(workers)],
+            env=env, cwd=str(ROOT), stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.log_path = log_path
+        self._wait_ready(workers)
+
+    def _wait_ready(self, workers: int) -> None:
+        import httpx
+
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coordinator serve exited ({self.proc.returncode}); see {self.log_path}")
+            try:
+                if httpx.get(self.base_url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"coordinator serve not ready after 90 s; see {self.log_path}")
+        # every worker answers: wait until the log shows each one started
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.log_path.read_bytes().count(b"Application startup complete") >= workers:
+                return
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the group this benchmark started, by its id
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log_file.close()

@@ -1,0 +1,101 @@
+"""The benchmarks still run: protocol_bench for a second per mode on the test's Postgres (real
+`coordinator serve` over HTTP too), printing its figure lines; and the measuring code in
+bench/measure.py counts what it claims to (CPU from /proc, SQL statements from the engine's hooks).
+No speed is asserted here: figures are the benchmark's business."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from servers import REPO_ROOT, clean_env
+
+BENCH = REPO_ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+
+import measure  # noqa: E402
+
+
+def test_protocol_bench_runs_both_modes_and_prints_its_figure_lines(database_url: str, tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCH / "protocol_bench.py"), "--database-url", database_url, "--seconds", "1",
+           "--warmup", "0.5", "--shape", "2:1", "--procs", "1", "--workers", "1", "--floor-seconds", "0.5",
+           "--floor-threads", "2", "--json", str(tmp_path / "out.json")]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    figures = dict(measure.parse_figure_line(line) for line in lines if "=" in line and not line.startswith("["))
+    assert float(figures["floor"]["update_tx_per_s"]) > 0
+    assert float(figures["floor"]["select1_per_s"]) > 0
+    for run in ("P=2 inprocess", "P=2 http"):
+        f = figures[run]
+        assert float(f["batches_per_s"]) > 0, f
+        assert float(f["cpu_ms_per_batch"]) > 0, f
+        assert float(f["p99_ms"]) > 0, f
+        assert f["errors"] == "0", f
+        assert float(figures[f"ratio {run}"]["floor_tx_per_batch"]) > 0
+    # both clients make the same protocol calls; in process the engine's hooks count statements
+    assert figures["P=2 inprocess"]["calls_per_batch"] == figures["P=2 http"]["calls_per_batch"]
+    assert float(figures["P=2 inprocess"]["statements_per_batch"]) >= float(figures["P=2 inprocess"]["calls_per_batch"])
+    assert lines[-1].startswith("P=2 http batches_per_s=")
+    assert "record check: ok" in out.stdout and "MISMATCH" not in out.stdout
+
+
+def test_figure_lines_parse_back() -> None:
+    line = measure.figure_line("P=2 http", batches_per_s=1234.5, cpu_ms_per_batch=1.234, calls_per_batch=2.0,
+                               p99_ms=None, errors=0)
+    assert line == "P=2 http batches_per_s=1234 cpu_ms_per_batch=1.23 calls_per_batch=2.00 p99_ms=- errors=0"
+    assert measure.parse_figure_line(line) == (
+        "P=2 http", {"batches_per_s": "1234", "cpu_ms_per_batch": "1.23", "calls_per_batch": "2.00", "p99_ms": "-",
+                     "errors": "0"})
+
+
+def test_percentile_picks_the_nearest_rank() -> None:
+    values = [float(x) for x in range(1, 101)]
+    assert measure.percentile(values, 50) == 51.0
+    assert measure.percentile(values, 99) == 99.0
+    assert measure.percentile([], 99) is None
+
+
+def test_cpu_snapshot_charges_a_busy_server_process_to_the_server() -> None:
+    """A child that spins for ~0.8 s of CPU is the 'server': its CPU shows there, not elsewhere; an
+    idle child (the broken variant: nothing to count) shows about none."""
+    spin = "import time\nt=time.process_time()\nwhile time.process_time()-t<0.8: pass\ntime.sleep(0.5)"
+    idle = "import time; time.sleep(1.2)"
+    charged = {}
+    for name, code in (("spin", spin), ("idle", idle)):
+        proc = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            a = measure.cpu_snapshot(proc.pid, None)
+            t0 = time.monotonic()
+            time.sleep(1.0)
+            b = measure.cpu_snapshot(proc.pid, None)
+            charged[name] = measure.cpu_delta(a, b, time.monotonic() - t0)["server"] * (time.monotonic() - t0)
+        finally:
+            proc.wait(timeout=10)
+    assert charged["spin"] >= 0.2, charged
+    assert charged["idle"] < 0.1, charged
+
+
+def test_sql_counter_counts_statements_and_checkouts(engine) -> None:  # noqa: ANN001 - conftest's fixture
+    from sqlalchemy import text
+
+    counter = measure.SqlCounter(engine)
+    with engine.begin() as conn:
+        conn.execute(text("SELECT 1"))
+        conn.execute(text("SELECT 2"))
+    with engine.connect() as conn:
+        conn.execute(text("SELECT 3"))
+    assert (counter.statements, counter.checkouts, counter.round_trips()) == (3, 2, 7)
+
+
+def test_floor_measures_committed_updates(database_url: str) -> None:
+    import psycopg
+
+    figures = measure.floor(database_url, 0.3, 1)
+    with psycopg.connect(measure.plain_url(database_url)) as conn:
+        done = conn.execute("SELECT sum(n) FROM bench_floor").fetchone()[0]
+    # the rate is what was committed: the rows' counters agree with it
+    assert done > 0 and figures["update_tx_per_s"] > 0
+    assert abs(int(done) - figures["update_tx_per_s"] * 0.3) <= 0.5 * int(done) + 5

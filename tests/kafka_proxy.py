@@ -89,6 +89,7 @@ class KafkaFaultProxy:
         self._closed = False
         self._release = threading.Event()
         self.held = 0  # requests currently held by a "hold" rule
+        self.refuse_connections = False
         threading.Thread(target=self._accept, name="kafka-proxy-accept", daemon=True).start()
 
     def inject(self, api_key: int, *, error_code: int = 0, times: int = 1, action: str = "error",
@@ -103,6 +104,7 @@ class KafkaFaultProxy:
     def clear(self) -> None:
         with self._lock:
             self._rules.clear()
+            self.refuse_connections = False
             self.requests.clear()
             self.injected.clear()
             self.connections = 0
@@ -154,6 +156,9 @@ class KafkaFaultProxy:
                 client, _ = self._server.accept()
             except OSError:
                 return
+            if self.refuse_connections:  # as if nothing listened at the advertised address
+                _close(client)
+                continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
                 upstream.settimeout(None)

@@ -1,8 +1,7 @@
 """The operator commands (`coordinator sinks|checkpoints|transactions|commit|abort|acknowledge`)
 end to end: the command in a subprocess (`python -m coordinator.cli`) against a real uvicorn
-service process. And `coordinator kafka commit-transaction|abort-transaction` against the Tansu
-broker (a Kafka wire-protocol stand-in: these tests read the transaction markers it writes, not
-read_committed visibility)."""
+service process. And `coordinator kafka commit-transaction|abort-transaction` against the real
+Kafka broker (tests/real_kafka.py): what a read_committed consumer sees afterwards."""
 
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kafka_broker import TansuBroker, partition_log, run_transactional_producer, tansu  # noqa: F401 - fixtures
+from kafka_producers import partition_log, run_transactional_producer
+from real_kafka import RealKafka
 from servers import REPO_ROOT, ServiceProcess, clean_env, scripted_http
 
 ADMIN = "cli-admin-token-51be"
@@ -119,39 +119,45 @@ def test_an_answer_that_is_not_the_coordinators_is_one_clear_line() -> None:
 # --- kafka commit-transaction / abort-transaction ---------------------------------------------------
 
 
-def test_kafka_commit_transaction_by_producer_id_and_epoch(tansu: TansuBroker) -> None:
-    topic = tansu.create_topic(1)
-    stats = run_transactional_producer(tansu.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic, records=4)
-    assert partition_log(tansu.bootstrap, topic, 0).has_open_transaction
-    base = ["kafka", "commit-transaction", "--bootstrap-servers", tansu.bootstrap,
+def test_kafka_commit_transaction_by_producer_id_and_epoch(real_kafka: RealKafka) -> None:
+    topic = real_kafka.create_topic(1)
+    stats = run_transactional_producer(real_kafka.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic, records=4)
+    assert partition_log(real_kafka.bootstrap, topic, 0).has_open_transaction
+    base = ["kafka", "commit-transaction", "--bootstrap-servers", real_kafka.bootstrap,
             "--transactional-id", stats.transactional_id, "--producer-id", str(stats.producer_id),
             "--epoch", str(stats.producer_epoch)]
 
     refused = run(*base, stdin="")  # no --yes and no terminal: nothing is done
     assert refused.returncode == 2 and "pass --yes" in refused.stderr
-    assert partition_log(tansu.bootstrap, topic, 0).markers(stats.producer_id) == []
+    assert partition_log(real_kafka.bootstrap, topic, 0).markers(stats.producer_id) == []
 
     out = run(*base, "--yes")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"committed: transaction '{stats.transactional_id}'")
-    after = partition_log(tansu.bootstrap, topic, 0)
+    after = partition_log(real_kafka.bootstrap, topic, 0)
     assert after.markers(stats.producer_id) == ["commit"] and not after.has_open_transaction
+    assert [m.value() for m in real_kafka.read_committed(topic)] == [b"record-%d" % i for i in range(4)]
 
 
-def test_kafka_abort_transaction_by_transactional_id(tansu: TansuBroker) -> None:
-    topic = tansu.create_topic(1)
-    stats = run_transactional_producer(tansu.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic)
-    out = run("kafka", "abort-transaction", "--bootstrap-servers", tansu.bootstrap,
+def test_kafka_abort_transaction_by_transactional_id(real_kafka: RealKafka) -> None:
+    topic = real_kafka.create_topic(1)
+    stats = run_transactional_producer(real_kafka.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic)
+    out = run("kafka", "abort-transaction", "--bootstrap-servers", real_kafka.bootstrap,
               "--transactional-id", stats.transactional_id, "--yes")
     assert out.returncode == 0, out.stderr
-    after = partition_log(tansu.bootstrap, topic, 0)
+    after = partition_log(real_kafka.bootstrap, topic, 0)
     assert after.markers(stats.producer_id) == ["abort"] and not after.has_open_transaction
+    assert real_kafka.read_committed(topic) == []
 
 
-def test_kafka_commit_with_a_wrong_epoch_is_refused(tansu: TansuBroker) -> None:
-    topic = tansu.create_topic(1)
-    stats = run_transactional_producer(tansu.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic)
-    out = run("kafka", "commit-transaction", "--bootstrap-servers", tansu.bootstrap, "--transactional-id",
+def test_kafka_commit_with_a_wrong_epoch_is_refused(real_kafka: RealKafka) -> None:
+    topic = real_kafka.create_topic(1)
+    stats = run_transactional_producer(real_kafka.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic)
+    out = run("kafka", "commit-transaction", "--bootstrap-servers", real_kafka.bootstrap, "--transactional-id",
               stats.transactional_id, "--producer-id", "-1", "--epoch", "0", "--yes")
     assert out.returncode == 1 and "invalid_producer_id (refused for good)" in out.stderr
-    assert partition_log(tansu.bootstrap, topic, 0).markers(stats.producer_id) == []
+    stale = run("kafka", "commit-transaction", "--bootstrap-servers", real_kafka.bootstrap, "--transactional-id",
+                stats.transactional_id, "--producer-id", str(stats.producer_id), "--epoch",
+                str(stats.producer_epoch + 1), "--yes")
+    assert stale.returncode == 1 and "producer_fenced (refused for good)" in stale.stderr, stale.stderr
+    assert partition_log(real_kafka.bootstrap, topic, 0).markers(stats.producer_id) == []

@@ -8,12 +8,33 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .http_input import (
+    AbortReason,
+    BootstrapServers,
+    CommitMarginMs,
+    Count,
+    ErrorBody,  # noqa: F401  (the API's error format lives in http_input; imported from here too)
+    ErrorOut,
+    Generation,
+    Id,
+    LeaseId,
+    Millis,
+    OperatorName,
+    Partition,
+    PoolSize,
+    ProducerEpoch,
+    ProducerId,
+    Reason,
+    SinkName,
+    TaskAttemptId,
+    Topic,
+    TransactionalIdPrefix,
+    TransactionTimeoutMs,
+)
 from .protocol.model import Attempt, Checkpoint, Lease, PartitionResult, PrecommitRecord, Sink
 from .service import AbortOutcome, BeginResult, CommitResult
 
-Id = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._:-]+$")]
-Generation = Annotated[int, Field(ge=1, le=2**31 - 1, description="the generation returned by start-generation")]
-Reason = Annotated[str, Field(min_length=1, max_length=500)]
+MAX_COMMIT_PARTITIONS = 100_000  # COORDINATOR_MAX_PARTITIONS' ceiling; the service applies the configured one
 
 
 class Request(BaseModel):
@@ -24,13 +45,13 @@ class Request(BaseModel):
 
 
 class SinkRegistration(Request):
-    name: Annotated[str, Field(min_length=1, max_length=100)]
-    transactional_id_prefix: Annotated[str, Field(min_length=1, max_length=200)]
-    bootstrap_servers: Annotated[str, Field(min_length=1, max_length=2000)]
-    topics: Annotated[list[Annotated[str, Field(min_length=1, max_length=249)]], Field(max_length=100)] = []
-    transaction_timeout_ms: Annotated[int, Field(ge=1_000, le=86_400_000)] = 60_000
-    commit_margin_ms: Annotated[int | None, Field(ge=0)] = None
-    max_pool_size: Annotated[int | None, Field(ge=1, le=1_000_000)] = None
+    name: SinkName
+    transactional_id_prefix: TransactionalIdPrefix
+    bootstrap_servers: BootstrapServers
+    topics: Annotated[list[Topic], Field(max_length=100)] = []
+    transaction_timeout_ms: TransactionTimeoutMs = 60_000
+    commit_margin_ms: CommitMarginMs | None = None
+    max_pool_size: PoolSize | None = None
     check_broker: bool = Field(
         True,
         description="check the broker before registering (reachability, advertised listeners, transactions, "
@@ -49,7 +70,7 @@ class LineageReset(Request):
 
 class LostDataAcknowledgement(Request):
     reason: Reason = Field(description="what was done about the lost data (re-delivered, accepted, ...)")
-    operator: Annotated[str | None, Field(max_length=200, description="who acknowledges (kept in the event trail)")] = None
+    operator: OperatorName | None = Field(None, description="who acknowledges (kept in the event trail)")
 
 
 class BeginCheckpointRequest(Request):
@@ -65,34 +86,32 @@ class BeginCheckpointRequest(Request):
 
 class LeaseRequest(Request):
     generation: Generation
-    partition: Annotated[int, Field(ge=0)]
-    task_attempt_id: Annotated[int, Field(ge=0, le=2**63 - 1, description="Spark's TaskContext.taskAttemptId()")]
+    partition: Partition
+    task_attempt_id: TaskAttemptId
 
 
 class PrecommitBody(Request):
     generation: Generation
-    producer_id: Annotated[int, Field(ge=0, le=2**63 - 1)]
-    producer_epoch: Annotated[int, Field(ge=0, le=32767)]
-    records: Annotated[int, Field(ge=1, description="an empty partition takes no lease and never pre-commits")]
-    bytes: Annotated[int, Field(ge=0)]
-    write_ms: Annotated[int | None, Field(ge=0, description="the task's produce + flush time, for throughput figures")] = None
+    producer_id: ProducerId
+    producer_epoch: ProducerEpoch
+    records: Annotated[Count, Field(ge=1, description="an empty partition takes no lease and never pre-commits")]
+    bytes: Count
+    write_ms: Millis | None = Field(None, description="the task's produce + flush time, for throughput figures")
 
 
-TopicPartitionOffset = tuple[
-    Annotated[str, Field(min_length=1, max_length=249)], Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]
-]
+TopicPartitionOffset = tuple[Topic, Partition, Count]
 
 
 class PartitionResultBody(Request):
-    partition: Annotated[int, Field(ge=0)]
-    lease_id: Annotated[int | None, Field(ge=1, description="the winning lease; null for an empty partition")]
+    partition: Partition
+    lease_id: LeaseId | None = Field(description="the winning lease; null for an empty partition")
     # the winner's pre-commit record from its Spark task result (all four, or none if the lease was
     # pre-committed with the pre-commit call)
-    producer_id: Annotated[int | None, Field(ge=0, le=2**63 - 1)] = None
-    producer_epoch: Annotated[int | None, Field(ge=0, le=32767)] = None
-    records: Annotated[int | None, Field(ge=1)] = None
-    bytes: Annotated[int | None, Field(ge=0)] = None
-    write_ms: Annotated[int | None, Field(ge=0)] = None
+    producer_id: ProducerId | None = None
+    producer_epoch: ProducerEpoch | None = None
+    records: Annotated[Count, Field(ge=1)] | None = None
+    bytes: Count | None = None
+    write_ms: Millis | None = None
     first_offsets: Annotated[list[TopicPartitionOffset] | None, Field(max_length=100_000, description=(
         "[topic, partition, offset]: the first offset the transaction wrote in each topic-partition"))] = None
 
@@ -116,13 +135,15 @@ class PartitionResultBody(Request):
 
 class CommitRequest(Request):
     generation: Generation
-    partitions: list[PartitionResultBody] = Field(description="every partition 0..N-1 of the attempt, once")
-    job_ms: Annotated[int | None, Field(ge=0, description="the driver's Spark write job, start to end")] = None
+    partitions: Annotated[list[PartitionResultBody], Field(max_length=MAX_COMMIT_PARTITIONS)] = Field(
+        description="every partition 0..N-1 of the attempt, once"
+    )
+    job_ms: Millis | None = Field(None, description="the driver's Spark write job, start to end")
 
 
 class AbortRequest(Request):
     generation: Generation | None = Field(None, description="required for writer tokens; operators may omit it")
-    reason: Reason = "aborted_by_driver"
+    reason: AbortReason = "aborted_by_driver"
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -347,16 +368,6 @@ class EventOut(BaseModel):
     actor: str
     batch_id: int | None
     detail: dict[str, Any]
-
-
-class ErrorBody(BaseModel):
-    reason: str
-    message: str
-    detail: dict[str, Any] | None = None
-
-
-class ErrorOut(BaseModel):
-    error: ErrorBody
 
 
 # --- broker observations (coordinator/broker.py) -------------------------------------------------

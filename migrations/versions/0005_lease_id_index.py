@@ -3,7 +3,7 @@
 sinks) without one. Partial: only LEASED ids have a lease_id.
 
 Revision ID: 0005
-Revises: 0003
+Revises: 0004
 Create Date: 2026-11-23 13:55:00
 """
 

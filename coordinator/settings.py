@@ -30,9 +30,9 @@ class Settings(BaseSettings):
     # Key from which per-sink writer tokens are derived; defaults to one derived from the admin
     # token (then rotating the admin token rotates every writer token too).
     token_secret: SecretStr | None = None
-    # How the coordinator acts on Kafka. Unset: commits are refused (503) until one is set.
-    # "none": record-only test mode that never touches Kafka.
-    kafka_control_plane: Literal["none", "kafka"] | None = None
+    # How the coordinator acts on Kafka. "kafka" (default): commits and aborts go to each sink's
+    # brokers. "none": record-only test mode that never touches Kafka (logged loudly).
+    kafka_control_plane: Literal["none", "kafka"] = "kafka"
     # The "kafka" control plane: per-request timeout, total retry time for one commit or abort,
     # and kafka-python client settings for security (JSON, e.g. {"security_protocol":
     # "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "coordinator"}).
@@ -42,7 +42,10 @@ class Settings(BaseSettings):
     kafka_sasl_password: SecretStr | None = None
     max_partitions: int = Field(4096, ge=1, le=100_000)
     broker_max_transaction_timeout_ms: int = Field(900_000, ge=1_000)
-    restart_budget_ms: int = Field(60_000, ge=0)
+    # How long a crashed driver takes to come back and resume a decided commit. A commit warns
+    # when the batch's duration plus this exceeds the sink's transaction timeout; kept well below
+    # the default timeout (60 s) so that the warning fires only for slow batches.
+    restart_budget_ms: int = Field(20_000, ge=0)
     db_pool_size: int = Field(20, ge=1, le=500)
     # The recovery loop (one leader among replicas): finishes decided commits, aborts expired
     # leases and lingering transactions, warns before timeouts. The leader's lease lasts

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from . import DEFAULT_DATA_DIR
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="COORDINATOR_", extra="ignore")
@@ -16,7 +18,7 @@ class Settings(BaseSettings):
     # Postgres URL (postgresql://user:pass@host:5432/db). Unset: `coordinator serve` starts an
     # embedded Postgres in data_dir.
     database_url: str | None = None
-    data_dir: Path = Path(".coordinator-data")
+    data_dir: Path = Path(DEFAULT_DATA_DIR)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     workers: int = Field(1, ge=1, le=64)

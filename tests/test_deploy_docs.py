@@ -42,7 +42,7 @@ def overlay() -> list[dict[str, Any]]:
 
 def test_the_first_two_commands_of_the_readme_are_unchanged() -> None:
     first = re.search(r"```bash\n(.*?)```", README, re.S)
-    assert first and first.group(1) == ("pip install -e . && coordinator serve\n"
+    assert first and first.group(1) == ("pip install -e '.[server]' && coordinator serve\n"
                                         "pip install -e '.[test]' && python -m pytest -ra\n")
 
 

@@ -382,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, help="uvicorn worker processes")
     p.set_defaults(func=serve)
 
+    from .quickstart import add_parser as add_quickstart
+
+    add_quickstart(sub)
+
     p = sub.add_parser("migrate", help="apply schema migrations to a database")
     p.add_argument("--database-url")
     p.add_argument("--revision", default="head", help="upgrade to this revision (default: head)")
@@ -450,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
               "pip install 'spark-kafka-exactly-once[server]' (from a checkout: pip install -e '.[server]')",
               file=sys.stderr)
         return 2
-    if args.command in ("serve", "migrate", "quickstart"):
+    if args.command in ("serve", "migrate"):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # a line per plugin at every start
     else:  # a tool's output is its verdicts; the Kafka client's connection logs would bury them

@@ -455,7 +455,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.command in ("serve", "migrate"):
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from .logs import limit_repeats
+
+        level = os.environ.get("COORDINATOR_LOG_LEVEL", "info")
+        logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        limit_repeats(level)
         logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # a line per plugin at every start
     else:  # a tool's output is its verdicts; the Kafka client's connection logs would bury them
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

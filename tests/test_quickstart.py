@@ -16,7 +16,7 @@ from servers import REPO_ROOT, clean_env, free_port
 pytestmark = [pytest.mark.real_kafka, pytest.mark.slow]
 
 
-def quickstart(directory: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def quickstart(directory: Path, *args: str, timeout: float = 700) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "coordinator.cli", "quickstart", "--dir", str(directory),
                            "--port", str(free_port()), *args], cwd=REPO_ROOT, env=clean_env(), capture_output=True,
                           text=True, timeout=timeout)
@@ -28,6 +28,7 @@ def summary_of(out: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in re.finditer(r"^([a-z ]+?)\s{2,}(.*)$", block[1], re.M)}
 
 
+@pytest.mark.timeout(1500)  # two runs, each starting Kafka, Postgres, the coordinator and a Spark session
 def test_the_quickstart_runs_end_to_end_and_reports_exactly_once_and_runs_again(tmp_path: Path) -> None:
     directory = tmp_path / "qs"
     for run in range(2):  # a second run in the same directory starts fresh and works as well

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from . import __version__, metrics
+from .api_docs import mount_docs
 from .auth import Principal, tokens_equal, writer_token
 from .broker import PartitionWatch, check_sink_broker, observe_partitions
 from .dashboard import create_dashboard
@@ -109,8 +110,11 @@ def create_app(
         description="Two-phase commit of Kafka transactions tied to Spark micro-batches. "
         "Authenticate with `Authorization: Bearer <token>`: the admin token for sink management "
         "and operator actions, a sink's writer token for its protocol calls.",
+        docs_url=None,
+        redoc_url=None,
     )
     app.router.route_class = InputRoute
+    mount_docs(app)  # /docs and /redoc from the package's assets, not a CDN
     app.state.coordinator = coordinator
     app.add_middleware(metrics.HttpMetricsMiddleware)
     database_metrics = metrics.database_registry(coordinator.engine)
@@ -198,7 +202,14 @@ def create_app(
         sink, created = coordinator.register_sink(spec, who.actor, check_broker=body.check_broker)
         if not created:
             response.status_code = 200
-        return registered(sink)
+        answer = registered(sink)
+        if created and (not body.check_broker or coordinator.control_plane is None):
+            answer.warnings.append(
+                f"the broker {spec.bootstrap_servers} was not checked ("
+                + ("check_broker=false" if not body.check_broker else "no Kafka control plane") + "): "
+                f"check it before the first batch with POST /v1/sinks/{spec.name}/broker-check or "
+                f"`coordinator doctor --sink {spec.name}`")
+        return answer
 
     @app.get("/v1/sinks", tags=["sinks"], responses=ADMIN_ONLY)
     def list_sinks(_: Admin) -> list[SinkOut]:

@@ -178,6 +178,7 @@ class LostDataAcknowledged(BaseModel):
 class SinkRegistered(BaseModel):
     sink: SinkOut
     writer_token: str = Field(description="bearer token for this sink's protocol calls; keep it secret")
+    warnings: list[str] = Field([], description="e.g. that the broker was not checked (check_broker=false)")
 
 
 class GenerationOut(BaseModel):

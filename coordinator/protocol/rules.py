@@ -53,8 +53,16 @@ def prefixes_clash(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
+def transactional_id_stem(prefix: str) -> str:
+    """What every pooled id of a sink starts with: the prefix and one separator ("orders" ->
+    "orders-"; a prefix that already ends in "-", "." or "_" is used as it is, so "demo-" gives
+    "demo-0", not "demo--0"). Prefix-free prefixes give prefix-free stems: a stem is the prefix or
+    the prefix plus "-", so one stem starting another means one prefix starts the other."""
+    return prefix if prefix.endswith(("-", ".", "_")) else prefix + "-"
+
+
 def transactional_id_for(prefix: str, ordinal: int) -> str:
-    return f"{prefix}-{ordinal}"
+    return f"{transactional_id_stem(prefix)}{ordinal}"
 
 
 def validate_timeouts(transaction_timeout_ms: int, commit_margin_ms: int, broker_max_ms: int) -> None:

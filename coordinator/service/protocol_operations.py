@@ -93,7 +93,7 @@ class ProtocolOperations(Reads):
     def _check_new_sink_broker(self, spec: SinkSpec) -> None:
         assert self.control_plane is not None
         target = KafkaTarget(spec.name, spec.bootstrap_servers, spec.transaction_timeout_ms)
-        checks = self.control_plane.check_broker(target, spec.transactional_id_prefix + "-", set())
+        checks = self.control_plane.check_broker(target, rules.transactional_id_stem(spec.transactional_id_prefix), set())
         failed = [c for c in checks if not c.ok and c.verified]
         if failed:
             raise e.Invalid(

@@ -166,7 +166,7 @@ class RecoveryOperations(Reads):
             raise e.Unavailable(e.NO_CONTROL_PLANE, "no Kafka control plane configured to sweep the broker")
         sink = self.get_sink(name)
         target = _target(sink)
-        open_now = self.control_plane.list_open_transactions(target, sink.transactional_id_prefix + "-")
+        open_now = self.control_plane.list_open_transactions(target, rules.transactional_id_stem(sink.transactional_id_prefix))
         if not open_now:
             return SweepOutcome()
         # read after listing: a transaction open at listing time was leased before it (a lease is

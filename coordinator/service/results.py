@@ -15,7 +15,7 @@ from ..protocol.rules import BeginAction
 class Limits:
     max_partitions: int = 4096
     broker_max_transaction_timeout_ms: int = 900_000  # Kafka's default transaction.max.timeout.ms
-    restart_budget_ms: int = 60_000
+    restart_budget_ms: int = 20_000
     # Kafka commits/aborts of one checkpoint run this many at a time; 1 runs them in order (the
     # simulation needs that, so a seed replays the same schedule).
     kafka_parallelism: int = 16

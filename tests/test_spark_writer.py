@@ -372,7 +372,8 @@ def test_the_driver_refuses_coordinator_answers_it_does_not_expect(spark: Any, t
     empty = spark.createDataFrame([], "value string")
     with scripted_http() as (url, script):
         opts = {"kafka.bootstrap.servers": "127.0.0.1:1", "topic": "t", "coordinator.url": url,
-                "coordinator.token": "w", "coordinator.sink": "odd", "checkpointLocation": str(tmp_path)}
+                "coordinator.token": "w", "coordinator.sink": "odd", "checkpointLocation": str(tmp_path),
+                "skip.empty.batches": "false"}  # the empty batch must reach begin and commit here
         script.answers = [sink, generation, (200, json.dumps({"action": "wait", "batch_id": 0, "state": "OPEN",
                                                              "attempt": None, "resumed": False}), {})]
         with pytest.raises(CoordinatorError, match="begin of batch 0 answered action 'wait'"):

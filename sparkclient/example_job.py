@@ -176,7 +176,8 @@ def connector_jars(s: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
-    logging.getLogger("py4j").setLevel(logging.WARNING)
+    for noisy in ("py4j", "httpx"):  # a line per HTTP call drowns the batch lines
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     s = settings(argv)
     bootstrap, checkpoint = str(s["KAFKA_BOOTSTRAP_SERVERS"]), str(s["CHECKPOINT_LOCATION"])
     query_id, last_batch = checkpoint_state(checkpoint)
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     # executors' Python workers need this package and confluent-kafka: in local mode, use this interpreter
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     spark = (SparkSession.builder.master(s["SPARK_MASTER"]).appName("exactly-once-demo")
-             .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "4")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.sql.shuffle.partitions", "4")
              .config("spark.jars", jars).getOrCreate())
     spark.sparkContext.setLogLevel("WARN")
     reports: list[BatchReport] = []

@@ -57,21 +57,21 @@ def example_command(service: ServiceProcess, bootstrap: str, jars: str, source: 
             "--topic-partitions", "3", *extra]
 
 
-def job_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COORDINATOR_")}
+def job_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COORDINATOR_")} | extra
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
     env["PYSPARK_PYTHON"] = sys.executable
     return env
 
 
 def run_job(cmd: list[str], log: Path, kill_after_batches: tuple[int, float] | None = None,
-            timeout_s: float = 300) -> tuple[int | None, str]:
+            timeout_s: float = 300, env: dict[str, str] | None = None) -> tuple[int | None, str]:
     """Run the example job to its end, or SIGKILL its process group (the driver, its JVM, its Python
     workers) `delay` seconds after its `n`-th batch line, `kill_after_batches=(n, delay)`.
     Returns (exit code, None if killed; its output)."""
     start = log.stat().st_size if log.exists() else 0
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=job_env(), stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env or job_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + timeout_s
     try:
@@ -96,19 +96,26 @@ def values(messages: list[Any]) -> Counter[str]:
     return Counter(m.value().decode() for m in messages)
 
 
+@pytest.mark.timeout(900)  # three runs of the example, each starting Spark (~10-60 s on 2 busy cores)
 def test_the_example_continues_its_checkpoint_and_says_when_nothing_is_left(
     service: ServiceProcess, real_kafka: RealKafka, connector_jars: str, tmp_path: Path
 ) -> None:
+    """The first run is configured by environment variables only, as docker-compose runs it
+    (TOTAL_RECORDS, the older name of INPUT_RECORDS); the later ones by flags."""
     source, target = real_kafka.create_topic(3), real_kafka.create_topic(3)
     checkpoint = tmp_path / "chk"
-    cmd = example_command(service, real_kafka.bootstrap, connector_jars, source, target, checkpoint,
-                          "--max-records-per-batch", "60")
-    code, out = run_job([*cmd, "--input-records", "150"], tmp_path / "job.log")
+    env = job_env(KAFKA_BOOTSTRAP_SERVERS=real_kafka.bootstrap, COORDINATOR_URL=service.url,
+                  COORDINATOR_ADMIN_TOKEN=ADMIN, INPUT_TOPIC=source, OUTPUT_TOPIC=target, SINK_NAME="example",
+                  CHECKPOINT_LOCATION=str(checkpoint), TOTAL_RECORDS="150", MAX_RECORDS_PER_BATCH="60",
+                  SPARK_JARS=connector_jars)
+    code, out = run_job([sys.executable, "-m", "sparkclient.example_job"], tmp_path / "job.log", env=env)
     assert code == 0, out
     assert f"checkpoint {checkpoint} (new query" in out and "appended records 0..149" in out
     assert "done: 3 batches (3 committed" in out and "150 records written" in out, out
     assert values(read_committed(real_kafka.bootstrap, target)) == Counter(str(i) for i in range(150))
 
+    cmd = example_command(service, real_kafka.bootstrap, connector_jars, source, target, checkpoint,
+                          "--max-records-per-batch", "60", "--sink-name", "example")
     code, out = run_job([*cmd, "--input-records", "150"], tmp_path / "job.log")  # nothing new
     assert code == 0, out
     assert f"reusing checkpoint {checkpoint} of query" in out and "holds 150 records already" in out
@@ -193,6 +200,7 @@ def run_chain(service: ServiceProcess, kafka: RealKafka, jars: str, work: Path, 
     }
 
 
+@pytest.mark.timeout(1800)  # 4-6 runs of each job, two at a time
 @pytest.mark.parametrize("seed", CHAIN_SEEDS)
 def test_a_chain_of_two_jobs_keeps_every_record_once_under_crashes(
     service: ServiceProcess, real_kafka: RealKafka, connector_jars: str, tmp_path: Path, seed: int

@@ -57,20 +57,26 @@ def register(service: ServiceProcess, sink: str, bootstrap: str, topic: str, **e
         return admin.register_sink(f"{sink}-tx", bootstrap, [topic], **extra)["writer_token"]
 
 
-def spark_session(app: str, master: str = "local[2,4]", **conf: str) -> Any:
+def spark_session(app: str, master: str | None = "local[2,4]", *, remote: str | None = None, **conf: str) -> Any:
     """A local session whose Python workers run this interpreter and can import the test helpers
-    (fault hooks are pickled by reference). local[N,F]: N threads, F tries per task."""
+    (fault hooks are pickled by reference). local[N,F]: N threads, F tries per task. With `remote`
+    (e.g. "local[2,4]"), a Spark Connect session on pyspark's local Connect server instead."""
     from pyspark.sql import SparkSession
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
     paths = [str(TESTS_DIR), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    builder = (SparkSession.builder.master(master).appName(app).config("spark.ui.enabled", "false")
-               .config("spark.sql.shuffle.partitions", "4").config("spark.speculation", "true"))
+    if remote is not None:
+        builder = SparkSession.builder.remote(remote).appName(app)
+    else:
+        builder = (SparkSession.builder.master(master).appName(app).config("spark.ui.enabled", "false")
+                   .config("spark.speculation", "true"))
+    builder = builder.config("spark.sql.shuffle.partitions", "4")
     for k, v in conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    if remote is None:
+        spark.sparkContext.setLogLevel("ERROR")
     return spark
 
 

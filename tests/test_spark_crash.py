@@ -128,28 +128,3 @@ def test_driver_killed_at_every_protocol_step_and_restarted(
     attempt2 = [x for x in result.details[1]["leases"] if x["attempt"] == 2]
     assert attempt2 and all(x["state"] == "ABORTED" for x in attempt2), attempt2
     admin.close()
-
-
-def test_the_example_job_writes_each_value_once_and_exits(
-    real_kafka: RealKafka, service: ServiceProcess, tmp_path: Path
-) -> None:
-    """`python -m sparkclient.example_job` as the README and the compose file run it (environment
-    variables only, the admin token: it registers its sink and creates its topic): with
-    TOTAL_RECORDS it exits 0 once "0".."TOTAL_RECORDS-1" are committed, each in exactly one
-    committed winner transaction."""
-    import os
-
-    broker = real_kafka
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COORDINATOR_")}
-    env.update(KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap, COORDINATOR_URL=service.url, COORDINATOR_ADMIN_TOKEN=ADMIN,
-               OUTPUT_TOPIC="example-out", SINK_NAME="example", TRANSACTIONAL_ID_PREFIX="example-",
-               CHECKPOINT_LOCATION=str(tmp_path / "chk"), TOTAL_RECORDS="300", ROWS_PER_SECOND="150")
-    proc = subprocess.run([sys.executable, "-m", "sparkclient.example_job"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[example_job]")]
-    assert proc.returncode == 0, "\n".join(lines) + proc.stderr[-3000:]
-    assert lines[-1] == "[example_job] all 300 records committed", lines
-    assert any("action=committed" in line for line in lines), lines
-    result = outcome(service, "example", broker.bootstrap, "example-out")
-    assert_exactly_once(result, [str(v) for v in range(300)], "example", broker.bootstrap, "example-out")
-    assert all(r.key == r.value for r in result.committed)

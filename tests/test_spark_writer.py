@@ -114,19 +114,18 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
     assert query.exception() is None, query.exception()
 
     assert [(r.batch_id, r.action, r.records) for r in reports] == [
-        (0, "committed", 40), (1, "committed", 0), (2, "committed", 5), (3, "committed", 60), (4, "committed", 25)]
-    assert [r.partitions for r in reports] == [3, reports[1].partitions, 8, 2, 4]
+        (0, "committed", 40), (1, "empty", 0), (2, "committed", 5), (3, "committed", 60), (4, "committed", 25)]
+    assert [r.partitions for r in reports] == [3, 0, 8, 2, 4]
     out = outcome(service, "orders", real_kafka.bootstrap, topic)
     assert_exactly_once(out, [str(v) for b in batches for v in b], "orders", real_kafka.bootstrap, topic)
 
     # each batch committed at its first attempt, one generation, winners = accepted task attempts
-    assert sorted(out.details) == [0, 1, 2, 3, 4]
+    assert sorted(out.details) == [0, 2, 3, 4]  # the empty batch asked nothing of the coordinator
     assert all(d["checkpoint"]["committed_attempt"] == 1 for d in out.details.values())
     for batch in (0, 2, 3, 4):  # the driver committed exactly the task results Spark accepted
         committed = {x["partition"]: x["lease_id"] for x in out.details[batch]["leases"] if x["state"] == "COMMITTED"}
         assert reports[batch].winners == {p: committed.get(p) for p in range(partitions[batch])}
     assert list(reports[2].winners.values()).count(None) >= 3  # 5 rows in 8 partitions: empty ones, no lease
-    assert out.details[1]["leases"] == []  # the empty batch: committed, no transaction
     # the retried tasks: their first attempts' leases lost and ended aborted
     lost = {(x["partition"], x["state"], x["records"]) for x in out.details[3]["leases"] if x["state"] != "COMMITTED"}
     assert {p for p, _, _ in lost} == {0, 1} and all(state == "ABORTED" for _, state, _ in lost), lost
@@ -146,7 +145,7 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
     error = str(query.exception())
     assert "lineage_mismatch" in error and "fresh checkpoint location" in error and "lineage/reset" in error, error
     with CoordinatorClient(service.url, ADMIN, "orders") as c:
-        assert len(c.checkpoints()) == 5  # nothing was written for the refused query
+        assert len(c.checkpoints()) == 4  # nothing was written for the refused query (batch 1 was empty)
 
 
 def test_the_same_checkpoint_continues_and_skips_what_was_committed(
@@ -369,7 +368,8 @@ def test_the_driver_refuses_coordinator_answers_it_does_not_expect(spark: Any, t
     empty = spark.createDataFrame([], "value string")
     with scripted_http() as (url, script):
         opts = {"kafka.bootstrap.servers": "127.0.0.1:1", "topic": "t", "coordinator.url": url,
-                "coordinator.token": "w", "coordinator.sink": "odd", "checkpointLocation": str(tmp_path)}
+                "coordinator.token": "w", "coordinator.sink": "odd", "checkpointLocation": str(tmp_path),
+                "skip.empty.batches": "false"}  # the empty batch must reach begin and commit here
         script.answers = [sink, generation, (200, json.dumps({"action": "wait", "batch_id": 0, "state": "OPEN",
                                                              "attempt": None, "resumed": False}), {})]
         with pytest.raises(CoordinatorError, match="begin of batch 0 answered action 'wait'"):

@@ -90,22 +90,7 @@ class ExactlyOnceKafkaWriter:
         rows = df.select(*columns.columns).rdd
         partitions = rows.getNumPartitions()
         offsets = read_offsets_digest(df.sparkSession, o.checkpoint_location, batch_id)
-        jobs = _WriteJobs.of(df)
-        for _ in range(MAX_STAGE_RETRY_REDOS):
-            done = self._write_once(df, batch_id, started, client, generation, columns, rows, partitions, offsets, jobs)
-            if done:
-                return
-        raise CoordinatorError(None, "stage_retried", f"batch {batch_id}: the write job's stages were retried "
-                               f"{MAX_STAGE_RETRY_REDOS} times in a row; the query stops and replays the batch when "
-                               "restarted", call="write job")
-
-    def _write_once(self, df: Any, batch_id: int, started: float, client: CoordinatorClient, generation: int,
-                    columns: Any, rows: Any, partitions: int, offsets: str | None, jobs: _WriteJobs | None) -> bool:
-        """One attempt of the batch: begin, the write job, commit. False if a stage of the job was
-        retried (its attempt is then aborted and the batch must be begun again)."""
-        o = self.options
-        # pre-leases only where the driver can see stage retries (see _WriteJobs)
-        begun = client.begin(batch_id, generation, partitions=partitions if jobs else None, offsets=offsets)
+        begun = client.begin(batch_id, generation, partitions=partitions, offsets=offsets)
         received_at = time.time()  # the pre-leases' age is measured from here (plus their age when answered)
         if begun.get("action") not in ("write", "skip") or (begun["action"] == "write" and begun.get("attempt") is None):
             raise _unexpected("begin", batch_id, f"action {begun.get('action')!r} (attempt {begun.get('attempt')})",
@@ -114,7 +99,7 @@ class ExactlyOnceKafkaWriter:
             report = BatchReport(batch_id, "resumed" if begun["resumed"] else "skipped", None,
                                  total_ms=_ms_since(started))
             self._report(report)
-            return True
+            return
         attempt = int(begun["attempt"])
         spec = TaskSpec(
             coordinator_url=o.coordinator_url, coordinator_token=o.coordinator_token, sink=o.sink,
@@ -131,14 +116,7 @@ class ExactlyOnceKafkaWriter:
         )
         job_started = time.monotonic()
         try:
-            known = jobs.ids() if jobs else set()
             results = _run_write_job(rows, partitions, spec)
-            if jobs and jobs.stage_retried(jobs.ids() - known):
-                log.warning("batch %d attempt %d: a stage of the write job was retried, so two first tries of a "
-                            "partition may have written on its pre-lease; the attempt is aborted and the batch "
-                            "begun again", batch_id, attempt)
-                client.abort(batch_id, attempt, generation, "stage_retried")
-                return False
         except BaseException as exc:
             # the job failed (a task exhausted its retries, or the query is stopping): end this
             # attempt's transactions now rather than wait for the next begin or the recovery loop
@@ -172,7 +150,6 @@ class ExactlyOnceKafkaWriter:
             batch_id, "committed", attempt, partitions, sum(r.records for r in written),
             sum(r.bytes for r in written), job_ms, commit_ms, _ms_since(started), winners,
         ))
-        return True
 
     # --- driver helpers -----------------------------------------------------------------------
 
@@ -227,42 +204,6 @@ class ExactlyOnceKafkaWriter:
         if self._client is not None:
             self._client.close()
             self._client = None
-
-
-MAX_STAGE_RETRY_REDOS = 3
-
-
-class _WriteJobs:
-    """The driver's view of its write jobs' stage attempts. A partition's first try is told by its
-    task attempt number 0, but PySpark's TaskContext does not say the stage attempt: after a stage
-    retry (a fetch failure), a task of the new stage attempt is attempt 0 again while the old one
-    may still run, and both would write on the partition's pre-lease. The driver therefore checks
-    Spark's status tracker after the job and, if any stage of it was retried, aborts the attempt and
-    begins the batch again (fresh pre-leases; the old ones are aborted and quarantined). Where there
-    is no status tracker (Spark Connect), begin asks for no pre-leases and every task leases its own."""
-
-    def __init__(self, sc: Any) -> None:
-        self.sc = sc
-        self.tracker = sc.statusTracker()
-
-    @classmethod
-    def of(cls, df: Any) -> _WriteJobs | None:
-        try:
-            return cls(df.sparkSession.sparkContext)
-        except Exception:  # noqa: BLE001 - Spark Connect: no SparkContext on the client
-            return None
-
-    def ids(self) -> set[int]:
-        return set(self.tracker.getJobIdsForGroup(self.sc.getLocalProperty("spark.jobGroup.id")))
-
-    def stage_retried(self, job_ids: set[int]) -> bool:
-        for job_id in job_ids:
-            job = self.tracker.getJobInfo(job_id)
-            for stage_id in (job.stageIds if job else []):
-                stage = self.tracker.getStageInfo(stage_id)
-                if stage is not None and stage.currentAttemptId > 0:
-                    return True
-        return False
 
 
 def _run_write_job(rows: Any, partitions: int, spec: TaskSpec) -> list[TaskResult]:

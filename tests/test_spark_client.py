@@ -147,13 +147,14 @@ class _Tracker:
 
 
 def test_the_driver_sees_a_retried_stage_of_its_write_job() -> None:
-    from sparkclient.writer import _WriteJobs
+    from sparkclient.stages import StageRetries
 
-    def jobs(attempts: dict[int, int]) -> _WriteJobs:
+    def jobs(attempts: dict[int, int]) -> StageRetries:
         sc = type("Sc", (), {"statusTracker": lambda self: _Tracker(attempts),
                              "getLocalProperty": lambda self, key: "run-1"})()
-        return _WriteJobs(sc)
+        return StageRetries(sc)
 
-    assert not jobs({3: 0, 4: 0}).stage_retried({1})
-    assert jobs({3: 0, 4: 1}).stage_retried({1})
-    assert not jobs({3: 1}).stage_retried(set())  # another job's retry is not this one's
+    assert jobs({3: 0}).job_ids() == {1}
+    assert not jobs({3: 0, 4: 0}).retried({1})
+    assert jobs({3: 0, 4: 1}).retried({1})
+    assert not jobs({3: 1}).retried(set())  # another job's retry is not this one's

@@ -36,7 +36,7 @@ def test_indexes_for_the_hot_queries_exist(engine):
     insp = inspect(engine)
     names = {ix["name"] for t in TABLES for ix in insp.get_indexes(t)}
     # pool leasing, unresolved-transaction sweeps, open-attempt lookups, audit trail paging
-    assert {"ix_transactional_ids_free_lru", "ix_leases_unresolved", "ix_attempts_open", "ix_events_sink_id_id"} <= names
+    assert {"ix_transactional_ids_free", "ix_leases_unresolved", "ix_attempts_open", "ix_events_sink_id_id"} <= names
 
 
 def test_state_columns_only_take_their_machine_states(engine):

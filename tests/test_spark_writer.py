@@ -18,7 +18,6 @@ accepted, and the coordinator aborts the other: the same situation a speculative
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,8 +101,8 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
     # partitions for 5 rows leaves empty partitions
     partitions = {0: 3, 2: 8, 3: 2, 4: 4}
     faults = FailTask(frozenset({
-        ("after_lease", 0, 1),  # the first try fails before writing on its pre-lease: the retry leases its own
-        ("after_precommit", 3, 0),  # fails after its record was made: two flushed transactions of one task
+        ("after_lease", 0, 1),  # fails before writing: the retry takes a new lease
+        ("after_precommit", 3, 0),  # fails after pre-committing: two pre-committed attempts of one task
         ("after_precommit", 3, 1),
         ("before_precommit", 4, 2),  # fails with an open, flushed transaction
     }))
@@ -130,14 +129,11 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
         committed = {x["partition"]: x["lease_id"] for x in out.details[batch]["leases"] if x["state"] == "COMMITTED"}
         assert reports[batch].winners == {p: committed.get(p) for p in range(partitions[batch])}
     assert list(reports[2].winners.values()).count(None) >= 3  # 5 rows in 8 partitions: empty ones, no lease
-    # the empty batch: committed, no transaction; its partitions' pre-leases were freed unused
-    assert all(x["state"] == "ABORTED" and x["producer_id"] is None for x in out.details[1]["leases"])
+    assert out.details[1]["leases"] == []  # the empty batch: committed, no transaction
     # the retried tasks: their first attempts' leases lost and ended aborted
     lost = {(x["partition"], x["state"], x["records"]) for x in out.details[3]["leases"] if x["state"] != "COMMITTED"}
     assert {p for p, _, _ in lost} == {0, 1} and all(state == "ABORTED" for _, state, _ in lost), lost
-    # their records never reached the coordinator: a task returns its record to the driver, and only
-    # the results Spark accepted travel with the commit
-    assert all(records is None for _, _, records in lost)
+    assert all(records is not None for _, _, records in lost)  # they had pre-committed
     losing_records = [r for r in out.records if int(r.headers["eos-lease-id"]) in out.losers]
     assert len(losing_records) >= 60  # Tansu shows the aborted duplicates; the check above ignored them
     assert [x["state"] for x in out.details[0]["leases"] if x["partition"] == 1].count("ABORTED") == 1
@@ -318,20 +314,15 @@ def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for
         gen = c.start_generation("query-tasks", "run-1")["generation"]
         before = native_threads()
         for batch in range(3):
-            begun = c.begin(batch, gen, partitions=1)
-            attempt, (pre_lease,) = begun["attempt"], begun["pre_leases"]
+            attempt = c.begin(batch, gen)["attempt"]
             spec = TaskSpec(service.url, token, "tasks", 30_000, 60_000, batch, attempt, gen, tansu.bootstrap,
-                            {"linger.ms": 5}, topic, ("key", "value"), True, pre_leases={0: pre_lease},
-                            leases_received_at=time.time(), commit_margin_ms=begun["commit_margin_ms"],
-                            max_lease_init_age_ms=begun["max_lease_init_age_ms"])
+                            {"linger.ms": 5}, topic, ("key", "value"), True)
             (result,) = list(write_partition(spec, 0, [(f"k{batch}-{i}", f"v{batch}-{i}") for i in range(50)]))
-            assert result.lease_id == pre_lease["lease_id"]  # the first try wrote on its pre-lease: no call
             gc.collect()
             assert native_threads() == before, f"batch {batch}: threads left behind"
             assert result.records == 50 and result.lease_id is not None and result.write_ms >= 0
             assert partition_log(tansu.bootstrap, topic, 0).has_open_transaction  # released, not ended
-            assert [x[:2] for x in result.first_offsets] == [[topic, 0]] and result.producer_id is not None
-            answer = c.commit(batch, attempt, gen, {0: result.lease_id}, records={0: result.precommit_record()})
+            answer = c.commit(batch, attempt, gen, {0: result.lease_id})
             assert answer["state"] == "COMMITTED" and answer["committed"][0]["records"] == 50
             log = partition_log(tansu.bootstrap, topic, 0)
             assert not log.has_open_transaction

@@ -169,7 +169,9 @@ def write_partition(spec: TaskSpec, partition: int, rows: Iterable[Any]) -> Iter
     ctx = TaskContext.get()
     task_attempt_id = ctx.taskAttemptId() if ctx else 0
     attempt_number = ctx.attemptNumber() if ctx else 0
-    stage_attempt = ctx.stageAttemptNumber() if ctx else 0
+    # PySpark's TaskContext does not tell the stage attempt (the driver redoes a batch whose write job
+    # had a stage retried: writer._WriteJobs); use it where a version does
+    stage_attempt = getattr(ctx, "stageAttemptNumber", lambda: 0)() if ctx else 0
     rows = iter(rows)
     first = next(rows, None)
     if first is None:

@@ -97,6 +97,9 @@ def test_full_cycle(admin: ProtocolClient, coordinator: Coordinator, kafka: Reco
     assert begun == {
         "action": "write", "batch_id": 0, "state": "OPEN", "attempt": 1,
         "resumed": False, "aborted": [], "abort_pending": [],
+        "pre_leases": [],  # no partition count given (an older client): every task leases its own
+        "commit_margin_ms": 12000, "max_lease_init_age_ms": 30000,
+        "producer_init_timeout_ms": 60000, "producer_request_timeout_ms": 60000,
     }
 
     # partition 0: one task; partition 1: a task and its speculative copy; partition 2: empty

@@ -16,7 +16,16 @@ from coordinator.protocol.invariants import (
     check_invariants,
     check_unchanged,
 )
-from coordinator.protocol.model import Attempt, Checkpoint, Lease, PartitionResult, Sink, TransactionalId
+from coordinator.protocol.model import (
+    FIRST_TRY_TASK_ATTEMPT,
+    Attempt,
+    Checkpoint,
+    Lease,
+    PartitionResult,
+    PrecommitRecord,
+    Sink,
+    TransactionalId,
+)
 from coordinator.protocol.rules import BeginAction, PrecommitRequest
 from coordinator.protocol.states import (
     ATTEMPT_TRANSITIONS,
@@ -426,6 +435,54 @@ def test_plan_commit_chooses_winners_and_losers():
     assert [w.id for w in plan.winners] == [2, 3]
     # every undecided non-winner loses; one already ABORTING is not planned twice
     assert sorted(x.id for x in plan.losers) == [1, 4]
+
+
+def test_plan_commit_takes_records_that_come_with_the_commit_and_frees_unused_first_try_leases():
+    first = [lease(id=i + 1, partition=i, task_attempt_id=FIRST_TRY_TASK_ATTEMPT)
+             for i in range(3)]
+    speculative = lease(id=9, partition=0, task_attempt_id=42)
+    old_style = precommitted(id=10, partition=2, task_attempt_id=43)
+    rec = PrecommitRecord(7, 0, 5, 50)
+    plan = rules.plan_commit(
+        [*first, speculative, old_style],
+        [PartitionResult(0, 9, rec), PartitionResult(1, None), PartitionResult(2, 10, PrecommitRecord(100, 0, 10, 1000))],
+        64,
+    )
+    assert [w.id for w in plan.winners] == [9, 10]
+    assert [(x.id, r) for x, r in plan.records] == [(9, rec)]  # a pre-committed winner's record is already stored
+    assert [x.id for x in plan.unused] == [2]  # partition 1 was empty: its first try never made a producer
+    assert sorted(x.id for x in plan.losers) == [1, 3]  # first tries that lost may have written: abort on Kafka
+    # a pre-committed winner named with another record is refused
+    with pytest.raises(e.Conflict) as mismatch:
+        rules.plan_commit([old_style], [PartitionResult(0, None), PartitionResult(1, None),
+                                        PartitionResult(2, 10, PrecommitRecord(100, 1, 10, 1000))], 64)
+    assert reason_of(mismatch) == e.PRECOMMIT_MISMATCH
+    # a LEASED winner without a record is refused
+    with pytest.raises(e.Conflict) as bare:
+        rules.plan_commit(first, [PartitionResult(0, 1)], 64)
+    assert reason_of(bare) == e.WINNER_NOT_PRECOMMITTED
+
+
+def test_check_offsets():
+    rules.check_offsets(None, "sha256:a", 3)  # nothing bound yet
+    rules.check_offsets("sha256:a", None, 3)  # an older client names none
+    rules.check_offsets("sha256:a", "sha256:a", 3)
+    with pytest.raises(e.Conflict) as refused:
+        rules.check_offsets("sha256:a", "sha256:b", 3)
+    assert reason_of(refused) == e.OFFSETS_MISMATCH and refused.value.detail["batch_id"] == 3
+
+
+def test_validate_quarantine():
+    rules.validate_quarantine(180_000, 30_000, 60_000, 60_000)
+    with pytest.raises(e.Invalid) as refused:
+        rules.validate_quarantine(150_000, 30_000, 60_000, 60_000)  # equal to what a try can reach: too short
+    assert reason_of(refused) == "transactional_id_quarantine_too_short"
+
+
+def test_only_the_first_try_uses_the_pre_lease():
+    assert rules.is_first_try(0, 0)
+    assert not rules.is_first_try(0, 1)  # a retry or a speculative copy
+    assert not rules.is_first_try(1, 0)  # a stage retry: its task attempts restart at 0
 
 
 def test_plan_commit_all_empty():

@@ -103,3 +103,58 @@ def test_executor_tasks_share_one_client_per_process_and_a_forked_worker_makes_i
     os.close(read)
     assert answer == b"own"
     assert spec(3).client() is first  # the parent keeps its own
+
+
+# --- the task's own checks (two-call protocol) -------------------------------------------------
+
+
+def test_a_task_refuses_init_on_a_lease_older_than_the_bound_and_a_transaction_inside_the_margin() -> None:
+    from sparkclient.executor import (
+        DeadlineTooClose,
+        LeaseTooOld,
+        check_deadline_outside_margin,
+        check_lease_young_enough,
+        is_first_try,
+    )
+
+    now = 1_000_000.0
+    lease = {"lease_id": 7, "transactional_id": "p-3", "age_ms": 2_000, "received_at": now - 27.0,
+             "transaction_timeout_ms": 60_000}
+    check_lease_young_enough(lease, 30_000, now)  # 2 s old when answered + 27 s since = 29 s
+    with pytest.raises(LeaseTooOld, match="31000 ms old, above the 30000 ms bound"):
+        check_lease_young_enough(lease, 30_000, now + 2.0)
+    check_deadline_outside_margin(lease, 6_000, now + 25.0)  # 54 s old: 6 s left, not inside
+    with pytest.raises(DeadlineTooClose, match="5999 ms left"):
+        check_deadline_outside_margin(lease, 6_000, now + 25.001)
+    assert is_first_try(0, 0) and not is_first_try(0, 1) and not is_first_try(1, 0)
+
+
+class _Tracker:
+    """Stands in for Spark's status tracker: a stage retry needs a fetch failure, which local mode
+    cannot be made to produce on demand (the real tracker is read in test_spark_writer's jobs)."""
+
+    def __init__(self, attempts: dict[int, int]) -> None:
+        self.attempts = attempts
+
+    def getJobIdsForGroup(self, group: str | None) -> list[int]:  # noqa: N802 - Spark's name
+        return [1]
+
+    def getJobInfo(self, job_id: int) -> object:  # noqa: N802
+        return type("JobInfo", (), {"stageIds": list(self.attempts)})()
+
+    def getStageInfo(self, stage_id: int) -> object:  # noqa: N802
+        return type("StageInfo", (), {"currentAttemptId": self.attempts[stage_id]})()
+
+
+def test_the_driver_sees_a_retried_stage_of_its_write_job() -> None:
+    from sparkclient.stages import StageRetries
+
+    def jobs(attempts: dict[int, int]) -> StageRetries:
+        sc = type("Sc", (), {"statusTracker": lambda self: _Tracker(attempts),
+                             "getLocalProperty": lambda self, key: "run-1"})()
+        return StageRetries(sc)
+
+    assert jobs({3: 0}).job_ids() == {1}
+    assert not jobs({3: 0, 4: 0}).retried({1})
+    assert jobs({3: 0, 4: 1}).retried({1})
+    assert not jobs({3: 1}).retried(set())  # another job's retry is not this one's

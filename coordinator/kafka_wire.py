@@ -76,19 +76,16 @@ Observations (the lingering-transaction sweep, stuck consumers, broker checks)
     TOPIC_AUTHORIZATION_FAILED) are named as such with the ACL the principal lacks.
     A broker without an API (not in its ApiVersions) is refused up front with
     `UnsupportedByBroker` ("broker does not support ListTransactions (KIP-664, Kafka >= 3.0):
-    lingering-transaction sweep unavailable"), never retried. Tansu (the test broker) lacks
-    ListTransactions, DescribeTransactions and DescribeProducers, reports no broker configs, and
-    answers ListOffsets inexactly: see tests/test_broker_wire.py.
+    lingering-transaction sweep unavailable"), never retried.
 
 Client library: kafka-python 3.0.12 (pinned). Requests go through its `KafkaConnectionManager`
 on a `NetworkSelector` IO thread, the same layer its `KafkaAdminClient` uses; they are modules of
 kafka-python's networking package rather than its documented top-level API, so an upgrade of
 kafka-python must re-run tests/test_kafka_wire.py.
 
-What is verified where: see tests/test_kafka_wire.py (Tansu stand-in broker, plus a fault
-injecting proxy that substitutes real Kafka error codes where Tansu cannot produce them). The
-Kafka-specific behaviour above (CONCURRENT_TRANSACTIONS while aborting, TV2 retries, error codes
-for refused EndTxn) needs the real-Kafka e2e suite.
+What is verified where: tests/test_kafka_wire.py and tests/test_broker_wire.py, against a real
+Apache Kafka formatted with transaction.version 1 and 2 (localkafka/), with a fault proxy in front
+of it for lost answers, delays and transient error codes.
 """
 
 from __future__ import annotations
@@ -573,7 +570,7 @@ def parse_describe_producers(response: Any) -> tuple[dict[tuple[str, int], tuple
 
 
 def describe_broker_configs_request(node_id: int) -> DescribeConfigsRequest:
-    # every config of the broker (configuration_keys null): Tansu 0.6 cannot decode a key list
+    # every config of the broker (configuration_keys null): brokers that cannot decode a key list exist
     resource = DescribeConfigsRequest.DescribeConfigsResource
     return DescribeConfigsRequest(
         resources=[resource(resource_type=_BROKER_RESOURCE, resource_name=str(node_id), configuration_keys=None)],

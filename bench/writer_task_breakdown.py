@@ -80,12 +80,18 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=6)
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--records", type=int, default=25_000, help="records per task")
+    p.add_argument("--producer", action="append", default=[], metavar="KEY=VALUE",
+                   help="a librdkafka setting on top of the writer's defaults, e.g. enable.sparse.connections=false")
     args = p.parse_args()
+    producer_config = dict(PRODUCER_DEFAULTS)
+    for item in args.producer:
+        key, _, value = item.partition("=")
+        producer_config[key] = {"true": True, "false": False}.get(value.lower(), value)
     workdir = Path(tempfile.mkdtemp(prefix="writer-breakdown-"))
     procs = []
     try:
-        tansu, bootstrap = writer_bench.start_tansu(workdir)
-        procs.append(tansu)
+        kafka, bootstrap = writer_bench.start_kafka(workdir)
+        procs.append(kafka)
         coordinator, url, admin_token = writer_bench.start_coordinator(workdir)
         procs.append(coordinator)
         topic = writer_bench.create_topic(bootstrap, 6)
@@ -101,7 +107,7 @@ def main() -> int:
                 attempt = driver.begin(batch, generation)["attempt"]
                 begun = time.perf_counter()
                 spec = executor.TaskSpec(url, token, "breakdown", 30_000, 120_000, batch, attempt, generation,
-                                         bootstrap, dict(PRODUCER_DEFAULTS), topic, ("key", "value"), False)
+                                         bootstrap, dict(producer_config), topic, ("key", "value"), False)
                 winners = {}
                 for partition in range(args.partitions):
                     current.clear()
@@ -121,7 +127,8 @@ def main() -> int:
                     driver_steps["begin"].append(begun - started)
                     driver_steps["commit"].append(time.perf_counter() - committing)
         print(f"{args.batches - 1} measured batches x {args.partitions} tasks x {args.records} records "
-              f"(Tansu, memory storage; coordinator on embedded Postgres; same machine)")
+              f"(Apache Kafka {kafka.version}, one node; coordinator on embedded Postgres; same machine)"
+              + (f"; producer {' '.join(args.producer)}" if args.producer else ""))
         print(f"{'step (per task)':>22} {'median ms':>10} {'max ms':>8}")
         for name in (*STEPS, "task"):
             print(f"{name:>22} {statistics.median(times[name]) * 1000:10.1f} {max(times[name]) * 1000:8.1f}")
@@ -129,9 +136,7 @@ def main() -> int:
             print(f"{name + ' (per batch)':>22} {statistics.median(values) * 1000:10.1f} {max(values) * 1000:8.1f}")
         return 0
     finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(30)
+        writer_bench.stop_all(procs)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -76,19 +76,16 @@ Observations (the lingering-transaction sweep, stuck consumers, broker checks)
     TOPIC_AUTHORIZATION_FAILED) are named as such with the ACL the principal lacks.
     A broker without an API (not in its ApiVersions) is refused up front with
     `UnsupportedByBroker` ("broker does not support ListTransactions (KIP-664, Kafka >= 3.0):
-    lingering-transaction sweep unavailable"), never retried. Tansu (the test broker) lacks
-    ListTransactions, DescribeTransactions and DescribeProducers, reports no broker configs, and
-    answers ListOffsets inexactly: see tests/test_broker_wire.py.
+    lingering-transaction sweep unavailable"), never retried.
 
 Client library: kafka-python 3.0.12 (pinned). Requests go through its `KafkaConnectionManager`
 on a `NetworkSelector` IO thread, the same layer its `KafkaAdminClient` uses; they are modules of
 kafka-python's networking package rather than its documented top-level API, so an upgrade of
 kafka-python must re-run tests/test_kafka_wire.py.
 
-What is verified where: see tests/test_kafka_wire.py (Tansu stand-in broker, plus a fault
-injecting proxy that substitutes real Kafka error codes where Tansu cannot produce them). The
-Kafka-specific behaviour above (CONCURRENT_TRANSACTIONS while aborting, TV2 retries, error codes
-for refused EndTxn) needs the real-Kafka e2e suite.
+What is verified where: tests/test_kafka_wire.py and tests/test_broker_wire.py, against a real
+Apache Kafka formatted with transaction.version 1 and 2 (localkafka/), with a fault proxy in front
+of it for lost answers, delays and transient error codes.
 """
 
 from __future__ import annotations
@@ -139,6 +136,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _NONE = Errors.NoError.errno
+# requests in flight per broker connection (kafka-python's default is 5): at least the
+# coordinator's kafka_parallelism, so the parallel commits of a checkpoint never wait for a slot
+DEFAULT_MAX_IN_FLIGHT = 16
 # answered by the broker when the request reached the wrong (or a not yet ready) coordinator:
 # forget the cached coordinator and look it up again
 _REFIND = {Errors.NotCoordinatorError.errno, Errors.CoordinatorNotAvailableError.errno}
@@ -195,6 +195,9 @@ class _BrokerClient:
         self._bootstrap_lock = threading.Lock()
         self._coordinators: dict[str, int | str] = {}
         self._coordinators_lock = threading.Lock()
+        # kafka-python fails a request at once (NodeNotReadyError) when its connection already has
+        # max_in_flight_requests_per_connection outstanding; calls wait here for a slot instead
+        self.slots = threading.BoundedSemaphore(int(config.get("max_in_flight_requests_per_connection", 5)))
         self.closed = False
 
     def ensure_bootstrapped(self, timeout_ms: int) -> None:
@@ -573,7 +576,7 @@ def parse_describe_producers(response: Any) -> tuple[dict[tuple[str, int], tuple
 
 
 def describe_broker_configs_request(node_id: int) -> DescribeConfigsRequest:
-    # every config of the broker (configuration_keys null): Tansu 0.6 cannot decode a key list
+    # every config of the broker (configuration_keys null): brokers that cannot decode a key list exist
     resource = DescribeConfigsRequest.DescribeConfigsResource
     return DescribeConfigsRequest(
         resources=[resource(resource_type=_BROKER_RESOURCE, resource_name=str(node_id), configuration_keys=None)],
@@ -697,6 +700,8 @@ class KafkaWireControlPlane:
             "reconnect_backoff_max_ms": 1_000,
             "socket_connection_setup_timeout_ms": min(10_000, request_timeout_ms),
             "socket_connection_setup_timeout_max_ms": max(10_000, request_timeout_ms),
+            # parallel commits of one checkpoint pipeline on the coordinator's connection
+            "max_in_flight_requests_per_connection": DEFAULT_MAX_IN_FLIGHT,
             **(client_config or {}),
             "request_timeout_ms": request_timeout_ms,
         }
@@ -920,7 +925,13 @@ class KafkaWireControlPlane:
             try:
                 client = self._client(target.bootstrap_servers)
                 client.ensure_bootstrapped(timeout_ms)
-                result = attempt(client, timeout_ms)
+                if not client.slots.acquire(timeout=timeout_ms / 1000):
+                    raise _Retry("request_timed_out", f"{what} of {transactional_id!r}: no request slot on the "
+                                                      f"connection within {timeout_ms} ms")
+                try:
+                    result = attempt(client, timeout_ms)
+                finally:
+                    client.slots.release()
                 if tries > 1:
                     log.info("%s of %s succeeded after %d tries", what, transactional_id, tries)
                 return result

@@ -8,12 +8,17 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from importlib import resources
 from pathlib import Path
 
 # Newest first: the default Kafka version is the first of these that resolves.
 KAFKA_VERSIONS = ("4.4.0", "4.3.1", "4.2.0", "4.1.1", "4.0.1")
+# what was resolved through Maven in this process, and how long it took (seconds): the tests'
+# summary reports it, so a CI log shows the first resolution's cost
+RESOLVED: dict[str, float] = {}
 # pyspark version -> Spark's Kafka connector that resolves on Maven Central for it
 SPARK_CONNECTORS = {"4.2": ("4.2.0", "2.13"), "4.1": ("4.1.1", "2.13"), "3.5": ("3.5.7", "2.12")}
 
@@ -45,7 +50,13 @@ def _build_classpath(pom: str, properties: dict[str, str], include: str | None, 
                f"-Dmdep.outputFile={out}", *(f"-D{k}={v}" for k, v in properties.items())]
         if include:
             cmd.append(f"-DincludeArtifactIds={include}")
+        print(f"localkafka: resolving {what} through Maven (first use on this machine; jars go to ~/.m2) ...",
+              file=sys.stderr, flush=True)
+        started = time.monotonic()
         done = subprocess.run(cmd, capture_output=True, text=True)
+        RESOLVED[what] = time.monotonic() - started
+        print(f"localkafka: Maven {'resolved' if done.returncode == 0 else 'FAILED to resolve'} {what} "
+              f"in {RESOLVED[what]:.1f} s", file=sys.stderr, flush=True)
         if done.returncode != 0 or not out.exists():
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
             raise MavenError(f"Maven could not resolve {what} ({' '.join(f'{k}={v}' for k, v in properties.items())}):"

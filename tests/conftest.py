@@ -115,6 +115,22 @@ from real_kafka import (  # noqa: E402  (fixtures, registered here for every tes
 )
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How long the real broker took: Maven's jar resolution (first use on a machine) and each start."""
+    from localkafka.maven import RESOLVED
+    from real_kafka import STARTS
+
+    if not (RESOLVED or STARTS):
+        return
+    terminalreporter.section("real Kafka")
+    for what, seconds in RESOLVED.items():
+        terminalreporter.write_line(f"Maven resolved {what} in {seconds:.1f} s")
+    if not RESOLVED:
+        terminalreporter.write_line("Kafka's jars came from the cache (~/.m2, ~/.cache/spark-kafka-eos): no Maven run")
+    for what, seconds in STARTS.items():
+        terminalreporter.write_line(f"{what} started in {seconds:.1f} s")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that runs against a real Kafka broker `real_kafka`."""
     for item in items:

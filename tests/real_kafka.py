@@ -103,6 +103,9 @@ def read_committed(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[
         consumer.close()
 
 
+STARTS: dict[str, float] = {}  # broker -> seconds to start (jar resolution included), for the summary
+
+
 def _start(tmp_path_factory: pytest.TempPathFactory, transaction_version: int) -> Iterator[RealKafka]:
     cluster = LocalKafka(tmp_path_factory.mktemp(f"kafka-tv{transaction_version}"),
                          transaction_version=transaction_version, scram_users={SCRAM_USER: SCRAM_PASSWORD},
@@ -111,7 +114,13 @@ def _start(tmp_path_factory: pytest.TempPathFactory, transaction_version: int) -
     assert node.advertised_proxy_port is not None and node.proxied_port is not None
     proxy = KafkaFaultProxy(node.advertised_proxy_port, node.proxied_port)
     try:
-        cluster.start()
+        started = time.monotonic()
+        try:
+            cluster.start()
+        except Exception as exc:  # noqa: BLE001 - reported as the fixture's failure, with its cause
+            pytest.fail(f"the real Kafka broker (transaction.version={transaction_version}) did not start: "
+                        f"{type(exc).__name__}: {exc}", pytrace=False)
+        STARTS[f"Kafka {cluster.version} transaction.version={transaction_version}"] = time.monotonic() - started
         yield RealKafka(cluster, proxy)
     finally:
         proxy.close()

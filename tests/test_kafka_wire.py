@@ -412,6 +412,25 @@ def test_parallel_commits_and_aborts_share_one_connection_per_bootstrap(
     assert sorted(m.partition() for m in broker.read_committed(topic)) == [p for p in range(4) for _ in range(3)]
 
 
+def test_more_parallel_calls_than_requests_in_flight_wait_for_a_slot_instead_of_failing(
+    real_kafka: RealKafka, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kafka-python fails a request at once when its connection has max_in_flight outstanding;
+    the control plane makes the extra calls wait for a slot: no spurious retry, every commit lands."""
+    topic = real_kafka.create_topic(4)
+    stats = run_transactional_producers(real_kafka.bootstrap, [(tid(f"s{i}"), topic, i % 4) for i in range(12)],
+                                        records=1)
+    p = KafkaWireControlPlane(request_timeout_ms=REQUEST_TIMEOUT_MS, retry_budget_ms=BUDGET_MS,
+                              client_config={"max_in_flight_requests_per_connection": 2})
+    try:
+        with caplog.at_level("WARNING", logger="coordinator.kafka_wire"), ThreadPoolExecutor(max_workers=12) as pool:
+            list(pool.map(lambda st: p.commit(target(real_kafka.bootstrap), prepared(st)), stats))
+    finally:
+        p.close()
+    assert [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()] == []
+    assert len(real_kafka.read_committed(topic)) == 12
+
+
 # --- wiring ------------------------------------------------------------------------------------
 
 

@@ -78,6 +78,7 @@ Id = text(100, pattern=r"^[A-Za-z0-9._:-]+$")
 Reason = text(500, description="recorded in the event trail")
 AbortReason = text(200, description="recorded with the attempt")  # attempts.abort_reason is varchar(200)
 OperatorName = text(100, pattern=_NO_CONTROLS, description="who acts (recorded in the event trail)")
+TransactionalId = text(255, pattern=_NO_CONTROLS)  # leases.transactional_id is varchar(255)
 
 
 # --- integers ----------------------------------------------------------------------------------
@@ -102,6 +103,9 @@ TransactionTimeoutMs = integer(1_000, 86_400_000)
 CommitMarginMs = integer(0, 86_400_000)
 PoolSize = integer(1, 1_000_000)
 PageSize = integer(1, 1000)
+RequestTimeoutMs = integer(1, 3_600_000)
+Port = integer(1, 65_535)
+Workers = integer(1, 1024)
 
 def parse_as(type_: Any, raw: Any, name: str) -> Any:
     """Validate one value against a type above outside a model (the dashboard's forms, the CLI's

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from fastapi.utils import create_model_field
 from pydantic import BaseModel, BeforeValidator, Field, TypeAdapter, ValidationError
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -346,8 +347,14 @@ class InputRoute(APIRoute):
             added = (413, 415, 422)
         elif self.dependant.path_params or self.dependant.query_params:
             added = (422,)
-        # a route may describe a status itself; the rest get the generic meaning
-        self.responses = {**error_responses(*added), **self.responses}
+        # a route may describe a status itself; the rest get the generic meaning (and FastAPI's
+        # serialisation field for their model, as it makes for the responses it was given)
+        for status, response in error_responses(*added).items():
+            if status not in self.responses:
+                self.responses[status] = response
+                self.response_fields[status] = create_model_field(
+                    name=f"Response_{status}_{self.unique_id}", type_=ErrorOut, mode="serialization"
+                )
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()

@@ -287,3 +287,36 @@ def test_no_such_sink_and_not_your_sink_answer_alike(world: World) -> None:
     assert unknown.status_code == foreign.status_code == 401 and unknown.json() == foreign.json()
     # the admin may know which sinks exist
     assert w.call("GET", "/v1/sinks/no-such-sink", token=ADMIN).status_code == 404
+
+
+# --- the dashboard's forms and pages get the same treatment ----------------------------------
+
+
+def test_dashboard_pages_and_forms_use_the_same_types(world: World) -> None:
+    w = world
+    with httpx.Client(base_url=w.url, timeout=60) as page:
+        r = page.post("/dashboard/login", data={"token": ADMIN, "operator": "ali\x07ce", "next": "/dashboard/"})
+        assert r.status_code == 401 and "your name: String should match pattern" in r.text
+        r = page.post("/dashboard/login", data={"token": ADMIN, "operator": "alice", "next": "/dashboard/"},
+                      follow_redirects=False)
+        assert r.status_code == 303, r.text
+        for path, says in ((f"/dashboard/sinks/{SINK}/checkpoints/{I64}", "less than or equal to"),
+                           ("/dashboard/sinks/ord%00ers", "NUL"),
+                           ("/dashboard/sinks/ord%FFers", "not UTF-8"),
+                           (f"/dashboard/actions/abort-attempt?sink={SINK}&batch={I64}&attempt=1", "batch:"),
+                           (f"/dashboard/actions/abort-attempt?sink={SINK}&batch=0&attempt={I32}", "attempt:")):
+            r = page.get(path)
+            assert r.status_code == 422 and says in r.text and 'data-testid="error"' in r.text, (path, r.text[-800:])
+        confirm = page.get(f"/dashboard/actions/abort-attempt?sink={SINK}&batch=0&attempt=1")
+        csrf = re.search(r'name="csrf" value="([^"]+)"', confirm.text).group(1)  # type: ignore[union-attr]
+        fields = {"csrf": csrf, "sink": SINK, "batch": "0", "attempt": "1"}
+        # an abort reason longer than its column (varchar 200) was a 500; now the form says so
+        r = page.post("/dashboard/actions/abort-attempt", data={**fields, "reason": "x" * 201})
+        assert r.status_code == 422 and "the reason: String should have at most 200 characters" in r.text, r.text[-800:]
+        r = page.post("/dashboard/actions/abort-attempt", content=f"csrf={csrf}&sink={SINK}&batch=0&attempt=1&reason=%FF",
+                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 422 and "not UTF-8" in r.text
+        r = page.post("/dashboard/actions/abort-attempt", data={**fields, "reason": "x" * 70_000})
+        assert r.status_code == 413
+    detail = w.call("GET", f"/v1/sinks/{SINK}/checkpoints/0").json()
+    assert [a["state"] for a in detail["attempts"]] == ["OPEN"], detail  # none of it aborted anything

@@ -294,6 +294,7 @@ def test_no_such_sink_and_not_your_sink_answer_alike(world: World) -> None:
 
 def test_dashboard_pages_and_forms_use_the_same_types(world: World) -> None:
     w = world
+    before = w.call("GET", f"/v1/sinks/{SINK}/checkpoints/0").json()
     with httpx.Client(base_url=w.url, timeout=60) as page:
         r = page.post("/dashboard/login", data={"token": ADMIN, "operator": "ali\x07ce", "next": "/dashboard/"})
         assert r.status_code == 401 and "your name: String should match pattern" in r.text
@@ -318,5 +319,4 @@ def test_dashboard_pages_and_forms_use_the_same_types(world: World) -> None:
         assert r.status_code == 422 and "not UTF-8" in r.text
         r = page.post("/dashboard/actions/abort-attempt", data={**fields, "reason": "x" * 70_000})
         assert r.status_code == 413
-    detail = w.call("GET", f"/v1/sinks/{SINK}/checkpoints/0").json()
-    assert [a["state"] for a in detail["attempts"]] == ["OPEN"], detail  # none of it aborted anything
+    assert w.call("GET", f"/v1/sinks/{SINK}/checkpoints/0").json() == before  # none of it aborted anything

@@ -145,7 +145,7 @@ def create_app(
         and another sink's are refused alike: the answer does not tell which names exist."""
         if tokens_equal(token, admin_token):
             return Principal(is_admin=True)
-        not_yours = _Forbidden(f"the token is neither the admin token nor sink {name!r}'s writer token")
+        not_yours = _Forbidden("the token is neither the admin token nor this sink's writer token")
         try:
             sink_id, version = cache.get(name, coordinator.get_sink)
         except e.NotFound:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from . import DEFAULT_DATA_DIR
 
@@ -57,6 +58,27 @@ def admin_token_file(data_dir: Path) -> tuple[str, bool]:
             f.write(secrets.token_urlsafe(32))
         generated = True
     return path.read_text().strip(), generated
+
+
+def _arg(type_name: str) -> Callable[[str], Any]:
+    """An argparse type from the API's own input types (coordinator/http_input.py): the CLI
+    refuses what the API would refuse, before sending anything."""
+
+    def parse(raw: str) -> Any:
+        from . import http_input
+
+        try:  # pydantic's lax mode reads "42" as an integer
+            return http_input.parse_as(getattr(http_input, type_name), raw, "value")
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
+
+    parse.__name__ = type_name  # argparse names the type in its message
+    return parse
+
+
+def _segment(value: str) -> str:
+    """A path segment of the API's URLs (a sink name is checked, but quote all the same)."""
+    return quote(value, safe="")
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
@@ -259,13 +281,13 @@ def sinks_cmd(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def checkpoints_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    data = _api(args).call("GET", f"/v1/sinks/{args.sink}/checkpoints", state=args.state, limit=args.limit)
+    data = _api(args).call("GET", f"/v1/sinks/{_segment(args.sink)}/checkpoints", state=args.state, limit=args.limit)
     return data, _table(data, ["batch_id", "state", "current_attempt", "committed_attempt", "created_at",
                                "committed_at", "lost_reason"])
 
 
 def transactions_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    data = _api(args).call("GET", f"/v1/sinks/{args.sink}/transactions/open")
+    data = _api(args).call("GET", f"/v1/sinks/{_segment(args.sink)}/transactions/open")
     now = datetime.now(timezone.utc)
     rows = []
     for x in data:
@@ -281,7 +303,7 @@ def transactions_cmd(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def commit_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    data = _api(args).call("POST", f"/v1/sinks/{args.sink}/checkpoints/{args.batch_id}/resume")
+    data = _api(args).call("POST", f"/v1/sinks/{_segment(args.sink)}/checkpoints/{args.batch_id}/resume")
     text_ = (f"batch {data['batch_id']}: {data['state']} by attempt {data['attempt']}; "
              f"{len(data['committed'])} partition(s) committed, {len(data['aborted'])} transaction(s) aborted, "
              f"{len(data['abort_pending'])} abort(s) pending")
@@ -289,7 +311,7 @@ def commit_cmd(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def abort_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    data = _api(args).call("POST", f"/v1/sinks/{args.sink}/checkpoints/{args.batch_id}/attempts/{args.attempt}/abort",
+    data = _api(args).call("POST", f"/v1/sinks/{_segment(args.sink)}/checkpoints/{args.batch_id}/attempts/{args.attempt}/abort",
                            {"reason": args.reason})
     a = data["attempt"]
     return data, (f"batch {args.batch_id} attempt {a['number']}: {a['state']}; "
@@ -298,7 +320,7 @@ def abort_cmd(args: argparse.Namespace) -> tuple[Any, str]:
 
 def acknowledge_cmd(args: argparse.Namespace) -> tuple[Any, str]:
     body = {"reason": args.reason, **({"operator": args.operator} if args.operator else {})}
-    data = _api(args).call("POST", f"/v1/sinks/{args.sink}/lost-data/acknowledge", body)
+    data = _api(args).call("POST", f"/v1/sinks/{_segment(args.sink)}/lost-data/acknowledge", body)
     if data["acknowledged"]:
         return data, f"sink {args.sink}: lost data acknowledged (lost batches {data['lost_batches']}); the halt is cleared"
     return data, f"sink {args.sink} was not halted: nothing to acknowledge"
@@ -383,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("serve", help="run the service (embedded Postgres when COORDINATOR_DATABASE_URL is unset)")
     p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--workers", type=int, help="uvicorn worker processes")
+    p.add_argument("--port", type=_arg("Port"))
+    p.add_argument("--workers", type=_arg("Workers"), help="uvicorn worker processes")
     p.set_defaults(func=serve)
 
     from .quickstart import add_parser as add_quickstart
@@ -401,12 +423,14 @@ def main(argv: list[str] | None = None) -> int:
                        description="Every check prints ok, warn or fail, and a fix when it is not ok. Without "
                        "--bootstrap-servers it checks every sink registered in the database.")
     p.add_argument("--database-url", help="default: COORDINATOR_DATABASE_URL")
-    p.add_argument("--sink", help="check only this registered sink (or name the unregistered one)")
-    p.add_argument("--bootstrap-servers", help="check a sink not registered yet: its Kafka bootstrap servers")
-    p.add_argument("--prefix", help="... its transactional_id_prefix")
-    p.add_argument("--transaction-timeout-ms", type=int, default=60_000, help="... its transaction timeout (60000)")
-    p.add_argument("--commit-margin-ms", type=int, help="... its commit margin")
-    p.add_argument("--kafka-timeout-ms", type=int, default=5_000, help="per Kafka request (5000)")
+    p.add_argument("--sink", type=_arg("SinkName"), help="check only this registered sink (or name the unregistered one)")
+    p.add_argument("--bootstrap-servers", type=_arg("BootstrapServers"),
+                   help="check a sink not registered yet: its Kafka bootstrap servers")
+    p.add_argument("--prefix", type=_arg("TransactionalIdPrefix"), help="... its transactional_id_prefix")
+    p.add_argument("--transaction-timeout-ms", type=_arg("TransactionTimeoutMs"), default=60_000,
+                   help="... its transaction timeout (60000)")
+    p.add_argument("--commit-margin-ms", type=_arg("CommitMarginMs"), help="... its commit margin")
+    p.add_argument("--kafka-timeout-ms", type=_arg("RequestTimeoutMs"), default=5_000, help="per Kafka request (5000)")
     p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print the findings as JSON")
     p.set_defaults(func=doctor_cmd)
 
@@ -418,37 +442,37 @@ def main(argv: list[str] | None = None) -> int:
 
     operator("sinks", sinks_cmd, "list the registered sinks")
     q = operator("checkpoints", checkpoints_cmd, "list a sink's checkpoints, newest first")
-    q.add_argument("sink")
+    q.add_argument("sink", type=_arg("SinkName"))
     q.add_argument("--state", choices=["OPEN", "COMMITTING", "COMMITTED", "LOST"])
-    q.add_argument("--limit", type=int, default=50)
+    q.add_argument("--limit", type=_arg("PageSize"), default=50)
     q = operator("transactions", transactions_cmd, "list a sink's possibly open transactions, with age vs timeout")
-    q.add_argument("sink")
+    q.add_argument("sink", type=_arg("SinkName"))
     q = operator("commit", commit_cmd, "finish a decided commit (resume); answers from the record if finished")
-    q.add_argument("sink")
-    q.add_argument("batch_id", type=int)
+    q.add_argument("sink", type=_arg("SinkName"))
+    q.add_argument("batch_id", type=_arg("BatchId"))
     q = operator("abort", abort_cmd, "abort an undecided attempt and its transactions")
-    q.add_argument("sink")
-    q.add_argument("batch_id", type=int)
-    q.add_argument("attempt", type=int)
-    q.add_argument("--reason", required=True, help="recorded in the event trail")
+    q.add_argument("sink", type=_arg("SinkName"))
+    q.add_argument("batch_id", type=_arg("BatchId"))
+    q.add_argument("attempt", type=_arg("AttemptNumber"))
+    q.add_argument("--reason", type=_arg("AbortReason"), required=True, help="recorded in the event trail")
     q = operator("acknowledge", acknowledge_cmd, "acknowledge a sink's lost data and clear its halt")
-    q.add_argument("sink")
-    q.add_argument("--reason", required=True, help="what was done about the lost batch (recorded)")
-    q.add_argument("--operator", help="who acknowledges (recorded)")
+    q.add_argument("sink", type=_arg("SinkName"))
+    q.add_argument("--reason", type=_arg("Reason"), required=True, help="what was done about the lost batch (recorded)")
+    q.add_argument("--operator", type=_arg("OperatorName"), help="who acknowledges (recorded)")
 
     p = sub.add_parser("kafka", help="act on one Kafka transaction directly (outside the coordinator's bookkeeping)")
     ksub = p.add_subparsers(dest="kafka_command", required=True)
     for name, help_ in (("abort-transaction", "abort whatever transaction a transactional id holds"),
                         ("commit-transaction", "commit a prepared transaction by transactional id, producer id, epoch")):
         k = ksub.add_parser(name, help=help_)
-        k.add_argument("--bootstrap-servers", required=True)
-        k.add_argument("--transactional-id", required=True)
+        k.add_argument("--bootstrap-servers", type=_arg("BootstrapServers"), required=True)
+        k.add_argument("--transactional-id", type=_arg("TransactionalId"), required=True)
         if name == "commit-transaction":
-            k.add_argument("--producer-id", type=int, required=True)
-            k.add_argument("--epoch", type=int, required=True)
-        k.add_argument("--transaction-timeout-ms", type=int, default=60_000,
+            k.add_argument("--producer-id", type=_arg("ProducerId"), required=True)
+            k.add_argument("--epoch", type=_arg("ProducerEpoch"), required=True)
+        k.add_argument("--transaction-timeout-ms", type=_arg("TransactionTimeoutMs"), default=60_000,
                        help="timeout of the producer that abort initialises on the id (60000)")
-        k.add_argument("--timeout-ms", type=int, default=10_000, help="per Kafka request (10000)")
+        k.add_argument("--timeout-ms", type=_arg("RequestTimeoutMs"), default=10_000, help="per Kafka request (10000)")
         k.add_argument("--yes", action="store_true", help="do not ask for confirmation")
         k.set_defaults(func=kafka_cmd)
 

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from fastapi.utils import create_model_field
 from pydantic import BaseModel, BeforeValidator, Field, TypeAdapter, ValidationError
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -78,6 +79,7 @@ Id = text(100, pattern=r"^[A-Za-z0-9._:-]+$")
 Reason = text(500, description="recorded in the event trail")
 AbortReason = text(200, description="recorded with the attempt")  # attempts.abort_reason is varchar(200)
 OperatorName = text(100, pattern=_NO_CONTROLS, description="who acts (recorded in the event trail)")
+TransactionalId = text(255, pattern=_NO_CONTROLS)  # leases.transactional_id is varchar(255)
 
 
 # --- integers ----------------------------------------------------------------------------------
@@ -102,6 +104,9 @@ TransactionTimeoutMs = integer(1_000, 86_400_000)
 CommitMarginMs = integer(0, 86_400_000)
 PoolSize = integer(1, 1_000_000)
 PageSize = integer(1, 1000)
+RequestTimeoutMs = integer(1, 3_600_000)
+Port = integer(1, 65_535)
+Workers = integer(1, 1024)
 
 def parse_as(type_: Any, raw: Any, name: str) -> Any:
     """Validate one value against a type above outside a model (the dashboard's forms, the CLI's
@@ -342,8 +347,14 @@ class InputRoute(APIRoute):
             added = (413, 415, 422)
         elif self.dependant.path_params or self.dependant.query_params:
             added = (422,)
-        # a route may describe a status itself; the rest get the generic meaning
-        self.responses = {**error_responses(*added), **self.responses}
+        # a route may describe a status itself; the rest get the generic meaning (and FastAPI's
+        # serialisation field for their model, as it makes for the responses it was given)
+        for status, response in error_responses(*added).items():
+            if status not in self.responses:
+                self.responses[status] = response
+                self.response_fields[status] = create_model_field(
+                    name=f"Response_{status}_{self.unique_id}", type_=ErrorOut, mode="serialization"
+                )
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote
+from urllib.parse import quote
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
@@ -31,6 +32,18 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.sessions import SessionMiddleware
 
 from ..auth import tokens_equal
+from ..http_input import (
+    AbortReason,
+    AttemptNumber,
+    BatchId,
+    InputRoute,
+    OperatorName,
+    Reason,
+    SinkName,
+    parse_as,
+    parse_form,
+    read_body,
+)
 from ..protocol import errors as e
 from ..service import Coordinator
 from .broker_watch import BrokerWatch
@@ -41,6 +54,7 @@ HERE = Path(__file__).parent
 SESSION_COOKIE = "coordinator_dashboard"
 SESSION_MAX_AGE_S = 12 * 3600
 REFRESH_S = 5
+FORM_MAX_BYTES = 64 * 1024  # a login or an action: a token, a name, a reason
 
 
 def session_secret(token_secret: bytes) -> str:
@@ -69,9 +83,13 @@ class Operator:
 @dataclass(frozen=True)
 class Action:
     title: str
-    needs: tuple[str, ...]  # of "sink", "batch", "attempt"
+    needs: tuple[str, ...]  # of PARAMETERS' keys
     describe: Callable[[dict[str, Any]], str]  # what will happen, for the confirmation page
     perform: Callable[[Coordinator, dict[str, Any], Operator, str], str]  # -> what happened
+    reason: Any = Reason  # the type of the reason the form asks for (coordinator/http_input.py)
+
+
+PARAMETERS = {"sink": SinkName, "batch": BatchId, "attempt": AttemptNumber}  # the API's own types
 
 
 def _abort(c: Coordinator, p: dict[str, Any], op: Operator, reason: str) -> str:
@@ -107,7 +125,7 @@ ACTIONS: dict[str, Action] = {
         lambda p: f"Abort attempt {p['attempt']} of batch {p['batch']} of sink {p['sink']}: the attempt becomes "
                   "ABORTED and every transaction it opened is aborted on Kafka. A driver still writing it gets 409 "
                   "and Spark replays the batch.",
-        _abort),
+        _abort, reason=AbortReason),
     "retry-commit": Action(
         "Retry a commit", ("sink", "batch"),
         lambda p: f"Finish the decided commit of batch {p['batch']} of sink {p['sink']} now: commit its winning "
@@ -134,15 +152,10 @@ def _params(action: Action, raw: dict[str, str]) -> dict[str, Any]:
         value = raw.get(key, "").strip()
         if not value:
             raise HTTPException(422, f"missing {key!r}: this action needs {', '.join(action.needs)}")
-        if key == "sink":
-            out[key] = value
-            continue
         try:
-            out[key] = int(value)
-        except ValueError:
-            raise HTTPException(422, f"{key!r} must be a whole number, not {value!r}") from None
-        if out[key] < (1 if key == "attempt" else 0):
-            raise HTTPException(422, f"{key!r} is out of range: {value!r}")
+            out[key] = parse_as(PARAMETERS[key], value, key)
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from None
     return out
 
 
@@ -170,6 +183,7 @@ def create_dashboard(
 
     # (mounted, this lifespan runs only from the parent's: coordinator/api.py enters it)
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.router.route_class = InputRoute  # the API's checks of path and query strings
     secret = session_secret(token_secret)
     app.add_middleware(
         SessionMiddleware, secret_key=secret, session_cookie=SESSION_COOKIE,
@@ -208,8 +222,7 @@ def create_dashboard(
         return op
 
     async def form(request: Request) -> dict[str, str]:
-        body = (await request.body()).decode(errors="replace")
-        return {k: v[0] for k, v in parse_qs(body, keep_blank_values=True).items()}
+        return parse_form(await read_body(request, FORM_MAX_BYTES))
 
     def admin_with_csrf(request: Request, fields: dict[str, str]) -> Operator:
         op = operator(request)
@@ -225,9 +238,14 @@ def create_dashboard(
     async def http_error(request: Request, exc: HTTPException) -> HTMLResponse:
         return page(request, "error.html", operator(request), exc.status_code, message=exc.detail)
 
-    @app.exception_handler(e.NotFound)
-    async def not_found(request: Request, exc: e.NotFound) -> HTMLResponse:
-        return page(request, "error.html", operator(request), 404, message=exc.message)
+    @app.exception_handler(e.ProtocolError)  # NotFound, and InputError from the input checks
+    async def refused(request: Request, exc: e.ProtocolError) -> HTMLResponse:
+        return page(request, "error.html", operator(request), exc.status, message=exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> HTMLResponse:
+        message = "; ".join(f"{err['loc'][-1]}: {err['msg']}" for err in exc.errors())
+        return page(request, "error.html", operator(request), 422, message=message)
 
     # --- login ----------------------------------------------------------------------------
 
@@ -244,8 +262,8 @@ def create_dashboard(
         error = None
         if not who:
             error = "enter your name: it is recorded with every action you take"
-        elif len(who) > 100:
-            error = "the name is too long (at most 100 characters)"
+        elif (bad_name := _invalid(OperatorName, who, "your name")) is not None:
+            error = bad_name
         elif role is None:
             error = "wrong token: use the admin token or the dashboard viewer token"
         target = _safe_next(fields.get("next", ""), base(request))
@@ -273,14 +291,14 @@ def create_dashboard(
         return page(request, "overview.html", op, sinks=views.overview())
 
     @app.get("/sinks/{name}", response_class=HTMLResponse)
-    def sink(request: Request, name: str) -> Response:
+    def sink(request: Request, name: SinkName) -> Response:
         op = viewer_or_login(request)
         if isinstance(op, Response):
             return op
         return page(request, "sink.html", op, p=views.sink_page(name))
 
     @app.get("/sinks/{name}/checkpoints/{batch_id}", response_class=HTMLResponse)
-    def checkpoint(request: Request, name: str, batch_id: int) -> Response:
+    def checkpoint(request: Request, name: SinkName, batch_id: BatchId) -> Response:
         op = viewer_or_login(request)
         if isinstance(op, Response):
             return op
@@ -316,14 +334,24 @@ def create_dashboard(
         reason = fields.get("reason", "").strip()
         if not reason:
             raise HTTPException(422, "give a reason: it is recorded in the event trail")
+        if (bad_reason := _invalid(action.reason, reason, "the reason")) is not None:
+            raise HTTPException(422, bad_reason)
         try:
-            outcome = await run_in_threadpool(action.perform, coordinator, params, op, reason[:1000])
+            outcome = await run_in_threadpool(action.perform, coordinator, params, op, reason)
         except e.ProtocolError as exc:
             return page(request, "done.html", op, exc.status, action=action, params=params, ok=False,
                         message=f"{exc.reason}: {exc.message}")
         return page(request, "done.html", op, action=action, params=params, ok=True, message=outcome)
 
     return app
+
+
+def _invalid(type_: Any, value: str, name: str) -> str | None:
+    try:
+        parse_as(type_, value, name)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _safe_next(target: str, base: str) -> str:

@@ -21,7 +21,8 @@ class Reads(CoordinatorBase):
 
     def list_sinks(self) -> list[Sink]:
         with self.engine.connect() as conn:
-            return [repo.sink_by_name(conn, n) for n in conn.execute(select(sinks.c.name).order_by(sinks.c.name)).scalars()]
+            return [repo.sink_by_name(conn, n) for n in conn.execute(
+                select(sinks.c.name).where(sinks.c.retired_at.is_(None)).order_by(sinks.c.name)).scalars()]
 
     def get_sink(self, name: str) -> Sink:
         with self.engine.connect() as conn:
@@ -115,7 +116,8 @@ class Reads(CoordinatorBase):
         recent_cps = newest.limit(recent).lateral("recent_cps")
         committed = newest.where(checkpoints.c.state == CheckpointState.COMMITTED.value).limit(1).lateral("committed")
         with self.engine.connect() as conn:
-            all_sinks = [Sink.from_mapping(r._mapping) for r in conn.execute(select(sinks).order_by(sinks.c.name))]
+            all_sinks = [Sink.from_mapping(r._mapping) for r in conn.execute(
+                select(sinks).where(sinks.c.retired_at.is_(None)).order_by(sinks.c.name))]
             cps = [repo.as_checkpoint(r) for r in conn.execute(
                 select(recent_cps).select_from(sinks.join(recent_cps, true()))
                 .order_by(recent_cps.c.sink_id, recent_cps.c.batch_id.desc())

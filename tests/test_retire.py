@@ -57,6 +57,8 @@ def test_a_sink_is_retired_only_when_nothing_is_open_and_then_takes_no_calls(
         kinds = [(r.kind, r.detail) for r in conn.execute(select(events).order_by(events.c.id))]
     assert ("sink_retired", {"reason": "moved to orders-v2"}) in kinds
     assert kinds[0][0] == "sink_registered"
+    trail = admin.request("GET", "/v1/sinks/orders/events")  # readable through the API too
+    assert any(ev["kind"] == "sink_retired" for ev in trail)
     # the recovery loop no longer looks at it
     assert [s.name for s in coordinator.list_sinks()] == []
 

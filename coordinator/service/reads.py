@@ -65,7 +65,7 @@ class Reads(CoordinatorBase):
         self, name: str, *, after_id: int = 0, batch_id: int | None = None, limit: int = 100
     ) -> list[dict[str, Any]]:
         with self.engine.connect() as conn:
-            sink = repo.sink_by_name(conn, name)
+            sink = repo.sink_by_name(conn, name, retired=True)  # a retired sink's trail stays readable
             stmt = select(events, checkpoints.c.batch_id).outerjoin(checkpoints, events.c.checkpoint_id == checkpoints.c.id)
             stmt = stmt.where(events.c.sink_id == sink.id, events.c.id > after_id)
             if batch_id is not None:
@@ -75,7 +75,7 @@ class Reads(CoordinatorBase):
     def recent_events(self, name: str, limit: int = 30) -> list[dict[str, Any]]:
         """The sink's newest events, newest first (list_events pages oldest first)."""
         with self.engine.connect() as conn:
-            sink = repo.sink_by_name(conn, name)
+            sink = repo.sink_by_name(conn, name, retired=True)  # a retired sink's trail stays readable
             stmt = select(events, checkpoints.c.batch_id).outerjoin(checkpoints, events.c.checkpoint_id == checkpoints.c.id)
             stmt = stmt.where(events.c.sink_id == sink.id).order_by(events.c.id.desc()).limit(limit)
             return [dict(r._mapping) for r in conn.execute(stmt)]

@@ -294,7 +294,11 @@ def _run(args: argparse.Namespace, directory: Path) -> int:
             job_env = {**env, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "COORDINATOR_URL": url,
                        "COORDINATOR_ADMIN_TOKEN": token, "SINK_NAME": SINK, "TRANSACTIONAL_ID_PREFIX": f"{SINK}-",
                        "INPUT_TOPIC": INPUT_TOPIC, "OUTPUT_TOPIC": OUTPUT_TOPIC,
-                       "OUTPUT_TOPIC_PARTITIONS": str(PARTITIONS), "TOTAL_RECORDS": str(args.records),
+                       "TOPIC_PARTITIONS": str(PARTITIONS), "OUTPUT_TOPIC_PARTITIONS": str(PARTITIONS),
+                       # the job reads the input with availableNow, about five batches; the records'
+                       # count is given under both names the example job has had (INPUT_, TOTAL_RECORDS)
+                       "TRIGGER": "availableNow", "MAX_RECORDS_PER_BATCH": str(max(args.records // 5, 1)),
+                       "INPUT_RECORDS": str(args.records), "TOTAL_RECORDS": str(args.records),
                        "ROWS_PER_SECOND": str(max(args.records // 5, 1)),
                        "CHECKPOINT_LOCATION": str(directory / "checkpoint"), "PYSPARK_PYTHON": sys.executable}
             started = time.monotonic()

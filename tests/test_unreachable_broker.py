@@ -59,8 +59,8 @@ def test_an_unreachable_broker_is_refused_then_retried_quietly_and_shutdown_is_f
         assert "check_broker=false" in refused["error"]["message"]
         answer = admin.register_sink("down", "down", check_broker=False, expect=201, **body)
         assert answer["warnings"] and f"the broker {broker} was not checked" in answer["warnings"][0]
-        # the same registration again: 200, from the record, no new warning
-        assert admin.register_sink("down", "down", check_broker=False, expect=200, **body)["warnings"] == []
+        # the same registration again: 200, from the record, the same answer
+        assert admin.register_sink("down", "down", check_broker=False, expect=200, **body) == answer
         admin.close()
 
         time.sleep(5)  # the recovery loop is sweeping the sink's broker by now

@@ -59,6 +59,7 @@ from .schemas import (
     SinkOut,
     SinkRegistered,
     SinkRegistration,
+    SinkRetirement,
 )
 from .service import Coordinator, SinkSpec
 from .store.db import schema_is_current
@@ -236,6 +237,16 @@ def create_app(
     def reset_lineage(name: SinkName, body: LineageReset, who: Admin) -> SinkOut:
         """Let a query started from a fresh checkpoint location take over this sink."""
         return SinkOut.of(coordinator.reset_lineage(name, who.actor, body.reason))
+
+    @app.post("/v1/sinks/{name}/retire", tags=["sinks"], responses=PROTOCOL)
+    def retire_sink(name: SinkName, body: SinkRetirement, who: Admin) -> SinkOut:
+        """Retire a sink that holds nothing open (no undecided attempt, no unfinished commit, no id
+        that may hold a transaction; otherwise 409 sink_has_open_transactions naming what). Its
+        records and event trail stay, its name and prefix stay reserved; every later call naming it
+        is answered 409 sink_retired. Retiring it again answers the same."""
+        sink, _ = coordinator.retire_sink(name, who.actor, body.reason)
+        cache.forget(name)
+        return SinkOut.of(sink)
 
     @app.post("/v1/sinks/{name}/lost-data/acknowledge", tags=["operator"], responses=PROTOCOL)
     def acknowledge_lost_data(name: SinkName, body: LostDataAcknowledgement, who: Admin) -> LostDataAcknowledged:

@@ -4,7 +4,7 @@
   quickstart            a local end-to-end run: embedded Postgres, a real Kafka node, the coordinator,
                         the example Spark pipeline, a read_committed check and a summary
   doctor                check the database, migrations, Kafka and the sinks' settings (coordinator/doctor.py)
-  sinks, checkpoints, transactions, commit, abort, acknowledge
+  sinks, checkpoints, transactions, commit, abort, acknowledge, retire
                         operator commands against a running coordinator (HTTP, admin token)
   kafka abort-transaction, kafka commit-transaction
                         act on one Kafka transaction directly, outside the coordinator's bookkeeping
@@ -326,6 +326,11 @@ def acknowledge_cmd(args: argparse.Namespace) -> tuple[Any, str]:
     return data, f"sink {args.sink} was not halted: nothing to acknowledge"
 
 
+def retire_cmd(args: argparse.Namespace) -> tuple[Any, str]:
+    data = _api(args).call("POST", f"/v1/sinks/{args.sink}/retire", {"reason": args.reason})
+    return data, f"sink {data['name']} retired at {data['retired_at']}; its records and event trail are kept"
+
+
 def operator_cmd(fn: Callable[[argparse.Namespace], tuple[Any, str]]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         try:
@@ -455,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("batch_id", type=_arg("BatchId"))
     q.add_argument("attempt", type=_arg("AttemptNumber"))
     q.add_argument("--reason", type=_arg("AbortReason"), required=True, help="recorded in the event trail")
+    q = operator("retire", retire_cmd, "retire a sink that holds nothing open (its records are kept)")
+    q.add_argument("sink", type=_arg("SinkName"))
+    q.add_argument("--reason", type=_arg("Reason"), required=True, help="why (recorded in the event trail)")
     q = operator("acknowledge", acknowledge_cmd, "acknowledge a sink's lost data and clear its halt")
     q.add_argument("sink", type=_arg("SinkName"))
     q.add_argument("--reason", type=_arg("Reason"), required=True, help="what was done about the lost batch (recorded)")

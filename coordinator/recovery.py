@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -130,10 +131,16 @@ class IterationReport:
         return {n: r.errors for n, r in self.sinks.items() if r.errors}
 
 
+def _without_figures(error: str) -> str:
+    """An error's text without its numbers (durations, try counts): the same failure again."""
+    return re.sub(r"\d+(\.\d+)?", "#", error)
+
+
 @dataclass
 class _Backoff:
     failures: int = 0
     until: float = 0.0
+    error: str = ""  # the last failure, logged at warning only when it changes
 
 
 class RecoveryLoop:
@@ -263,10 +270,18 @@ class RecoveryLoop:
                 b.failures += 1
                 delay_ms = min(self.interval_ms * 2 ** b.failures, self.max_backoff_ms)
                 b.until = self._monotonic() + delay_ms * random.uniform(0.8, 1.0) / 1000
-                log.warning("recovery loop: step %s of sink %s failed (%d in a row; next try in %.1f s): %s",
-                            step, name, b.failures, delay_ms / 1000, r.errors[step])
+                # once per change of state, not per try: a broker that stays down (or lacks a
+                # feature, e.g. KIP-664) is said once, until the failure changes or the step recovers
+                changed = _without_figures(r.errors[step]) != _without_figures(b.error)
+                b.error = r.errors[step]
+                log.log(logging.WARNING if changed else logging.DEBUG,
+                        "recovery loop: step %s of sink %s failed (%d in a row; next try in %.1f s): %s",
+                        step, name, b.failures, delay_ms / 1000, r.errors[step])
             else:
-                self._backoff.pop(key, None)
+                failed = self._backoff.pop(key, None)
+                if failed is not None:
+                    log.info("recovery loop: step %s of sink %s succeeds again after %d failure(s)",
+                             step, name, failed.failures)
         if r.lost:
             log.error("recovery loop: sink %s lost data in batches %s; it is halted until acknowledged", name, r.lost)
         return r

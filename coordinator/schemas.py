@@ -68,6 +68,10 @@ class LineageReset(Request):
     reason: Reason
 
 
+class SinkRetirement(Request):
+    reason: Reason = Field(description="why the sink is retired (kept in the event trail)")
+
+
 class LostDataAcknowledgement(Request):
     reason: Reason = Field(description="what was done about the lost data (re-delivered, accepted, ...)")
     operator: OperatorName | None = Field(None, description="who acknowledges (kept in the event trail)")
@@ -163,6 +167,7 @@ class SinkOut(BaseModel):
     halted: bool = Field(description="lost data: begin checkpoint is refused until an operator acknowledges")
     halted_reason: str | None
     halted_at: datetime | None
+    retired_at: datetime | None = Field(None, description="set once retired: the sink takes no more calls")
 
     @classmethod
     def of(cls, s: Sink) -> SinkOut:

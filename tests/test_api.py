@@ -580,6 +580,7 @@ def test_registration_is_refused_when_the_broker_fails_its_checks(
     again = admin.register_sink(SINK, PREFIX, expect=200)
     assert {**again, "warnings": None} == {**registered, "warnings": None}
     assert admin.register_sink(SINK, PREFIX, check_broker=False, expect=200) == registered  # same request, same answer
+    assert registered["warnings"] and not again["warnings"]  # only the registration that skipped the check warns
 
     kafka.broker_checks = [BrokerCheck("prefix_unused", False, "broker does not support ListTransactions", verified=False)]
     assert admin.register_sink("other", "other-eos", expect=201)["sink"]["name"] == "other"

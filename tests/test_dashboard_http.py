@@ -295,6 +295,23 @@ def test_reset_lineage(client: TestClient, api: ProtocolClient, coordinator: Coo
     assert ev["actor"] == "dashboard:alice" and ev["detail"]["reason"] == "new checkpoint location"
 
 
+def test_retire_a_sink_from_its_page_once_nothing_is_open(client: TestClient, api: ProtocolClient,
+                                                          coordinator: Coordinator) -> None:
+    gen = new_sink(api, "orders")
+    attempt, _ = batch(api, "orders", gen, 0, [3], commit=False)  # an undecided attempt with a lease
+    login(client)
+    assert "action-retire" in client.get("/dashboard/sinks/orders").text
+    _, refused = confirm_and_post(client, "/dashboard/actions/retire-sink?sink=orders", "moved")
+    assert "cannot be retired yet" in refused and "undecided attempt" in refused
+    api.request("POST", f"/v1/sinks/orders/checkpoints/0/attempts/{attempt}/abort", {"reason": "stop"})
+    _, done = confirm_and_post(client, "/dashboard/actions/retire-sink?sink=orders", "moved to orders-v2")
+    assert "sink orders is retired" in done
+    assert "orders" not in [s.name for s in coordinator.list_sinks()]
+    assert 'href="/dashboard/sinks/orders"' not in client.get("/dashboard/").text
+    (ev,) = events(coordinator, "orders", "sink_retired")
+    assert ev["actor"] == "dashboard:alice" and ev["detail"]["reason"] == "moved to orders-v2"
+
+
 def test_actions_name_what_is_missing(client: TestClient, api: ProtocolClient) -> None:
     new_sink(api, "orders")
     login(client)

@@ -248,6 +248,8 @@ def test_the_coordinator_image_is_multi_stage_non_root_and_agrees_with_settings(
     parsed = DockerfileParser(str(REPO_ROOT / "Dockerfile")).structure
     froms = [i["value"] for i in parsed if i["instruction"] == "FROM"]
     assert len(froms) == 2 and froms[0].endswith(" AS build") and froms[1].startswith("python:3.11-slim")
+    # `pip install .` is the writer's client only: the service's image installs the [server] extra
+    assert '[server]"' in " ".join(i["value"] for i in parsed if i["instruction"] == "RUN")
     final = stage("Dockerfile")
     env = env_of(final)
     coordinator_env = {k: v for k, v in env.items() if k.startswith("COORDINATOR_")}
@@ -273,7 +275,7 @@ def test_the_job_image_has_java_17_and_the_spark_extra() -> None:
     parsed = DockerfileParser(str(REPO_ROOT / "deploy/docker/spark-job.Dockerfile")).structure
     runs = " ".join(i["value"] for i in parsed if i["instruction"] == "RUN")
     assert "openjdk-17-jre-headless" in runs and "procps" in runs  # pkill for the executor kills
-    assert "[spark]" in runs
+    assert "[spark,server]" in runs  # pyspark, and the wire client the verifier lists transactions with
     final = stage("deploy/docker/spark-job.Dockerfile")
     by = {i["instruction"]: i["value"] for i in final}
     assert by["CMD"] == '["python", "-m", "sparkclient.example_job"]'

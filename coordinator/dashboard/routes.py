@@ -119,6 +119,11 @@ def _reset_lineage(c: Coordinator, p: dict[str, Any], op: Operator, reason: str)
     return f"lineage of {sink.name} reset; generation is now {sink.generation}; the next query to start binds the sink"
 
 
+def _retire(c: Coordinator, p: dict[str, Any], op: Operator, reason: str) -> str:
+    sink, _ = c.retire_sink(p["sink"], op.actor, reason)
+    return f"sink {sink.name} is retired; its records and event trail are kept"
+
+
 ACTIONS: dict[str, Action] = {
     "abort-attempt": Action(
         "Abort an attempt", ("sink", "batch", "attempt"),
@@ -143,6 +148,12 @@ ACTIONS: dict[str, Action] = {
                   "and the next Spark query to start (even from a fresh checkpoint location, whose batch ids restart "
                   "at 0) takes the sink over.",
         _reset_lineage),
+    "retire-sink": Action(
+        "Retire the sink", ("sink",),
+        lambda p: f"Retire sink {p['sink']}: refused while anything of it may be open (an undecided attempt, a "
+                  "commit unfinished on Kafka, an id that may hold a transaction). Once retired it takes no more "
+                  "calls and leaves the overview; its records, event trail, name and prefix are kept.",
+        _retire),
 }
 
 

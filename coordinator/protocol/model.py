@@ -44,6 +44,7 @@ class Sink(_Record):
     # until an operator acknowledges, which clears both
     halted_reason: str | None = None
     halted_at: datetime | None = None
+    retired_at: datetime | None = None  # retired sinks take no calls; their records stay
 
     @property
     def halted(self) -> bool:

@@ -466,3 +466,21 @@ def data_lost(cp: Checkpoint) -> e.Conflict:
         batch_id=cp.batch_id,
         lost_reason=cp.lost_reason,
     )
+
+
+def retirement_blockers(open_attempts: int, committing_checkpoints: int, unresolved_leases: int) -> list[str]:
+    """Why a sink cannot be retired yet (empty: it can). Nothing of it may still be open: an
+    undecided attempt (a driver may be writing), a decided commit not finished on Kafka, or a lease
+    whose id may hold a transaction (one left open would freeze read_committed consumers, and no
+    recovery loop would look at a retired sink again)."""
+    blockers = []
+    if open_attempts:
+        blockers.append(f"{open_attempts} undecided attempt(s): stop the query, or abort them "
+                        "(`coordinator abort SINK BATCH ATTEMPT`)")
+    if committing_checkpoints:
+        blockers.append(f"{committing_checkpoints} decided commit(s) not finished on Kafka: let the recovery loop "
+                        "finish them (`coordinator commit SINK BATCH`)")
+    if unresolved_leases:
+        blockers.append(f"{unresolved_leases} transactional id(s) that may hold a transaction: wait for their "
+                        "aborts (`coordinator transactions SINK`)")
+    return blockers

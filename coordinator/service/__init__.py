@@ -14,6 +14,7 @@ One module per concern, composed into the one `Coordinator` everyone imports fro
 - `protocol_operations.py`: what a driver and its executors call (sinks, generations and lineage,
   begin, leases, pre-commit, commit, resume, abort);
 - `recovery_operations.py`: what the recovery loop runs (coordinator/recovery.py);
+- `retirement.py`: retiring a sink once nothing of it can be open;
 - `reads.py`: the reads (the API, the dashboard, the CLI, the tests).
 """
 
@@ -21,6 +22,7 @@ from .base import CoordinatorBase
 from .protocol_operations import ProtocolOperations
 from .reads import Reads
 from .recovery_operations import RecoveryOperations
+from .retirement import RetirementOperations
 from .results import (
     AbortOutcome,
     BeginResult,
@@ -35,7 +37,7 @@ from .results import (
 )
 
 
-class Coordinator(ProtocolOperations, RecoveryOperations, Reads):
+class Coordinator(ProtocolOperations, RecoveryOperations, RetirementOperations, Reads):
     """The coordinator service. Split by concern into parts over one shared state (engine,
     control plane, clock, limits, `_tx`, `_parallel` in CoordinatorBase), so that each concern has
     one place a newcomer can read on its own; the public surface is the same as one class."""

@@ -21,7 +21,8 @@ class Reads(CoordinatorBase):
 
     def list_sinks(self) -> list[Sink]:
         with self.engine.connect() as conn:
-            return [repo.sink_by_name(conn, n) for n in conn.execute(select(sinks.c.name).order_by(sinks.c.name)).scalars()]
+            return [repo.sink_by_name(conn, n) for n in conn.execute(
+                select(sinks.c.name).where(sinks.c.retired_at.is_(None)).order_by(sinks.c.name)).scalars()]
 
     def get_sink(self, name: str) -> Sink:
         with self.engine.connect() as conn:
@@ -64,7 +65,7 @@ class Reads(CoordinatorBase):
         self, name: str, *, after_id: int = 0, batch_id: int | None = None, limit: int = 100
     ) -> list[dict[str, Any]]:
         with self.engine.connect() as conn:
-            sink = repo.sink_by_name(conn, name)
+            sink = repo.sink_by_name(conn, name, retired=True)  # a retired sink's trail stays readable
             stmt = select(events, checkpoints.c.batch_id).outerjoin(checkpoints, events.c.checkpoint_id == checkpoints.c.id)
             stmt = stmt.where(events.c.sink_id == sink.id, events.c.id > after_id)
             if batch_id is not None:
@@ -74,7 +75,7 @@ class Reads(CoordinatorBase):
     def recent_events(self, name: str, limit: int = 30) -> list[dict[str, Any]]:
         """The sink's newest events, newest first (list_events pages oldest first)."""
         with self.engine.connect() as conn:
-            sink = repo.sink_by_name(conn, name)
+            sink = repo.sink_by_name(conn, name, retired=True)  # a retired sink's trail stays readable
             stmt = select(events, checkpoints.c.batch_id).outerjoin(checkpoints, events.c.checkpoint_id == checkpoints.c.id)
             stmt = stmt.where(events.c.sink_id == sink.id).order_by(events.c.id.desc()).limit(limit)
             return [dict(r._mapping) for r in conn.execute(stmt)]
@@ -115,7 +116,8 @@ class Reads(CoordinatorBase):
         recent_cps = newest.limit(recent).lateral("recent_cps")
         committed = newest.where(checkpoints.c.state == CheckpointState.COMMITTED.value).limit(1).lateral("committed")
         with self.engine.connect() as conn:
-            all_sinks = [Sink.from_mapping(r._mapping) for r in conn.execute(select(sinks).order_by(sinks.c.name))]
+            all_sinks = [Sink.from_mapping(r._mapping) for r in conn.execute(
+                select(sinks).where(sinks.c.retired_at.is_(None)).order_by(sinks.c.name))]
             cps = [repo.as_checkpoint(r) for r in conn.execute(
                 select(recent_cps).select_from(sinks.join(recent_cps, true()))
                 .order_by(recent_cps.c.sink_id, recent_cps.c.batch_id.desc())

@@ -126,11 +126,17 @@ def _sink_by_name_stmt(lock: str | None) -> Select:
     return stmt
 
 
-def sink_by_name(conn: Connection, name: str, lock: str | None = None) -> Sink:
+def sink_by_name(conn: Connection, name: str, lock: str | None = None, *, retired: bool = False) -> Sink:
+    """The sink; a retired one only with `retired=True` (otherwise 409 sink_retired: it takes no calls)."""
     row = conn.execute(_sink_by_name_stmt(lock), {"name": name}).first()
     if row is None:
         raise e.NotFound("unknown_sink", f"no sink named {name!r}", sink=name)
-    return _as_sink(row)
+    sink = _as_sink(row)
+    if sink.retired_at is not None and not retired:
+        raise e.Conflict(e.SINK_RETIRED, f"sink {name!r} was retired at {sink.retired_at:%Y-%m-%d %H:%M:%S}Z; its "
+                         "name and transactional id prefix stay reserved (register a new sink under other ones)",
+                         sink=name)
+    return sink
 
 
 @cache

@@ -53,6 +53,8 @@ sinks = Table(
     # lost data halts the sink (begin checkpoint refused) until an operator acknowledges
     Column("halted_reason", String(2000), nullable=True),
     Column("halted_at", TS, nullable=True),
+    # retired by an operator once nothing of it could be open: kept for the audit trail, takes no calls
+    Column("retired_at", TS, nullable=True),
 )
 
 generations = Table(

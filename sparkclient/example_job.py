@@ -16,8 +16,9 @@
 | `SINK_NAME` | from the checkpoint | the checkpoint directory's name (`demo-<UTC time>`; `demo-` put before a name without it) |
 | `TRANSACTIONAL_ID_PREFIX` | the sink name | used when registering the sink |
 | `TRANSACTION_TIMEOUT_MS` | `60000` | used when registering the sink |
-| `TRIGGER` | `availableNow` | `availableNow`: process what the input holds, then exit; or a processingTime interval (`1 second`): run until Ctrl-C |
+| `TRIGGER` | `availableNow` | `availableNow`: process what the input holds, then exit; or a processingTime interval (`1 second`): run until Ctrl-C, or with `INPUT_RECORDS` until the input is caught up |
 | `MAX_RECORDS_PER_BATCH` | `0` (no limit) | the Kafka source's `maxOffsetsPerTrigger` (more, smaller batches) |
+| `ROWS_PER_SECOND` | | an older pacing: N records a second (`TRIGGER=1 second`, `MAX_RECORDS_PER_BATCH=N`) unless those are set |
 | `SPARK_MASTER` | `local[2]` | |
 | `SPARK_JARS` | resolved by Maven | Spark's Kafka connector jars, comma-separated (default: `python -m localkafka classpath spark`) |
 
@@ -80,8 +81,11 @@ def settings(argv: list[str] | None = None) -> dict[str, str | None]:
         parser.add_argument("--" + name.lower().replace("_", "-"), dest=name, default=os.environ.get(name, default),
                             help=f"{text} (env {name})")
     args = vars(parser.parse_args(argv))
-    if args["INPUT_RECORDS"] == "0" and os.environ.get("TOTAL_RECORDS"):  # the name docker-compose uses
+    if args["INPUT_RECORDS"] == "0" and os.environ.get("TOTAL_RECORDS"):  # the names docker-compose uses
         args["INPUT_RECORDS"] = os.environ["TOTAL_RECORDS"]
+    rate = os.environ.get("ROWS_PER_SECOND")
+    if rate and "TRIGGER" not in os.environ and "MAX_RECORDS_PER_BATCH" not in os.environ and argv is None:
+        args["TRIGGER"], args["MAX_RECORDS_PER_BATCH"] = "1 second", rate
     for name in ("KAFKA_BOOTSTRAP_SERVERS", "COORDINATOR_URL"):
         if not args[name]:
             parser.error(f"{name} is required (environment variable or --{name.lower().replace('_', '-')})")
@@ -155,6 +159,33 @@ def fill_input(bootstrap: str, topic: str, count: int) -> tuple[int, int]:
     if producer.flush(60) or failed:
         raise RuntimeError(f"producing the input failed: {failed[:3]}")
     return had, count
+
+
+def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "example-job-count", "log_level": 3,
+                         "isolation.level": "read_committed"})
+    try:
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in partitions}
+    finally:
+        consumer.close()
+
+
+def caught_up(query: Any, topic: str, target: dict[int, int]) -> bool:
+    """The query's last finished batch ended at or past `target` in every partition of `topic`."""
+    import json
+
+    progress = query.lastProgress
+    if not progress or query.status["isTriggerActive"]:
+        return False
+    for source in progress["sources"]:
+        end = source["endOffset"]
+        end = json.loads(end) if isinstance(end, str) else end
+        if isinstance(end, dict) and topic in end:
+            return all(int(end[topic].get(str(p), -1)) >= offset for p, offset in target.items())
+    return False
 
 
 def writer_token(s: dict[str, Any]) -> str:
@@ -235,11 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     stream = rows.writeStream.foreachBatch(writer).option("checkpointLocation", checkpoint)
     trigger = str(s["TRIGGER"])
     stream = stream.trigger(availableNow=True) if trigger == "availableNow" else stream.trigger(processingTime=trigger)
+    # processingTime with INPUT_RECORDS: stop once the input as it is now is processed
+    target = end_offsets(bootstrap, s["INPUT_TOPIC"]) if trigger != "availableNow" and int(s["INPUT_RECORDS"]) else None
     query = stream.start()
     say(f"query {query.id} run {query.runId}: {s['INPUT_TOPIC']} -> {s['OUTPUT_TOPIC']} through sink "
         f"{s['SINK_NAME']} (trigger {trigger})")
     try:
-        query.awaitTermination()
+        while not query.awaitTermination(0.5):
+            if target is not None and caught_up(query, s["INPUT_TOPIC"], target):
+                query.stop()
     except StreamingQueryException as exc:
         say(f"the query failed: {exc}", error=True)
         return 1

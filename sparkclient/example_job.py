@@ -18,6 +18,7 @@
 | `TRANSACTION_TIMEOUT_MS` | `60000` | used when registering the sink |
 | `TRIGGER` | `availableNow` | `availableNow`: process what the input holds, then exit; or a processingTime interval (`1 second`): run until Ctrl-C, or with `INPUT_RECORDS` until the input is caught up |
 | `MAX_RECORDS_PER_BATCH` | `0` (no limit) | the Kafka source's `maxOffsetsPerTrigger` (more, smaller batches) |
+| `KAFKA_POLL_TIMEOUT_MS` | `10000` | the Kafka source's `kafkaConsumer.pollTimeoutMs`: a batch whose offsets hold only aborted records waits this long (Spark's default 120 s) |
 | `ROWS_PER_SECOND` | | an older pacing: N records a second (`TRIGGER=1 second`, `MAX_RECORDS_PER_BATCH=N`) unless those are set |
 | `SPARK_MASTER` | `local[2]` | |
 | `SPARK_JARS` | resolved by Maven | Spark's Kafka connector jars, comma-separated (default: `python -m localkafka classpath spark`) |
@@ -66,6 +67,7 @@ SETTINGS = [  # (flag / env name, default, help)
     ("TRANSACTION_TIMEOUT_MS", "60000", "transaction timeout (sink registration)"),
     ("TRIGGER", "availableNow", "availableNow, or a processingTime interval such as '1 second'"),
     ("MAX_RECORDS_PER_BATCH", "0", "the Kafka source's maxOffsetsPerTrigger (0: no limit)"),
+    ("KAFKA_POLL_TIMEOUT_MS", "10000", "the Kafka source's kafkaConsumer.pollTimeoutMs"),
     ("SPARK_MASTER", "local[2]", "Spark master"),
     ("SPARK_JARS", None, "Spark's Kafka connector jars, comma-separated (default: resolved by Maven)"),
 ]
@@ -91,7 +93,8 @@ def settings(argv: list[str] | None = None) -> dict[str, str | None]:
             parser.error(f"{name} is required (environment variable or --{name.lower().replace('_', '-')})")
     if not args["COORDINATOR_ADMIN_TOKEN"] and not args["COORDINATOR_WRITER_TOKEN"]:
         parser.error("set COORDINATOR_ADMIN_TOKEN (registers the sink) or COORDINATOR_WRITER_TOKEN")
-    for name in ("INPUT_RECORDS", "TOPIC_PARTITIONS", "TRANSACTION_TIMEOUT_MS", "MAX_RECORDS_PER_BATCH"):
+    for name in ("INPUT_RECORDS", "TOPIC_PARTITIONS", "TRANSACTION_TIMEOUT_MS", "MAX_RECORDS_PER_BATCH",
+                 "KAFKA_POLL_TIMEOUT_MS"):
         if not str(args[name]).isdigit():
             parser.error(f"{name} must be a whole number, got {args[name]!r}")
     if not args["CHECKPOINT_LOCATION"]:
@@ -259,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
 
     source = (spark.readStream.format("kafka").option("kafka.bootstrap.servers", bootstrap)
               .option("subscribe", s["INPUT_TOPIC"]).option("startingOffsets", "earliest")
-              .option("kafka.isolation.level", "read_committed").option("failOnDataLoss", "true"))
+              .option("kafka.isolation.level", "read_committed").option("failOnDataLoss", "true")
+              .option("kafkaConsumer.pollTimeoutMs", int(s["KAFKA_POLL_TIMEOUT_MS"])))
     if int(s["MAX_RECORDS_PER_BATCH"]):
         source = source.option("maxOffsetsPerTrigger", int(s["MAX_RECORDS_PER_BATCH"]))
     rows = source.load().select("key", "value")

@@ -8,7 +8,7 @@
 | `INPUT_TOPIC` | `exactly-once-demo-in` | read with `kafka.isolation.level=read_committed` from the earliest offset; created if missing |
 | `INPUT_RECORDS` | `0` | first make the input topic hold records "0".."N-1" (key = value; appends the missing ones, so a re-run or restart adds none); `TOTAL_RECORDS` is an older name |
 | `OUTPUT_TOPIC` | `exactly-once-demo-out` | created (`TOPIC_PARTITIONS`) if missing |
-| `TOPIC_PARTITIONS` | `3` | partitions of a topic the job creates |
+| `TOPIC_PARTITIONS` | `3` | partitions of a topic the job creates (`OUTPUT_TOPIC_PARTITIONS` is an older name) |
 | `COORDINATOR_URL` | required | the coordinator |
 | `COORDINATOR_ADMIN_TOKEN` | | if set, the job registers the sink when missing (idempotent) and uses its writer token |
 | `COORDINATOR_WRITER_TOKEN` | | the sink's writer token (when no admin token is given) |
@@ -85,6 +85,8 @@ def settings(argv: list[str] | None = None) -> dict[str, str | None]:
     args = vars(parser.parse_args(argv))
     if args["INPUT_RECORDS"] == "0" and os.environ.get("TOTAL_RECORDS"):  # the names docker-compose uses
         args["INPUT_RECORDS"] = os.environ["TOTAL_RECORDS"]
+    if "TOPIC_PARTITIONS" not in os.environ and os.environ.get("OUTPUT_TOPIC_PARTITIONS"):
+        args["TOPIC_PARTITIONS"] = os.environ["OUTPUT_TOPIC_PARTITIONS"]
     rate = os.environ.get("ROWS_PER_SECOND")
     if rate and "TRIGGER" not in os.environ and "MAX_RECORDS_PER_BATCH" not in os.environ and argv is None:
         args["TRIGGER"], args["MAX_RECORDS_PER_BATCH"] = "1 second", rate

@@ -8,7 +8,7 @@
 | `INPUT_TOPIC` | `exactly-once-demo-in` | read with `kafka.isolation.level=read_committed` from the earliest offset; created if missing |
 | `INPUT_RECORDS` | `0` | first make the input topic hold records "0".."N-1" (key = value; appends the missing ones, so a re-run or restart adds none); `TOTAL_RECORDS` is an older name |
 | `OUTPUT_TOPIC` | `exactly-once-demo-out` | created (`TOPIC_PARTITIONS`) if missing |
-| `TOPIC_PARTITIONS` | `3` | partitions of a topic the job creates |
+| `TOPIC_PARTITIONS` | `3` | partitions of a topic the job creates (`OUTPUT_TOPIC_PARTITIONS` is an older name) |
 | `COORDINATOR_URL` | required | the coordinator |
 | `COORDINATOR_ADMIN_TOKEN` | | if set, the job registers the sink when missing (idempotent) and uses its writer token |
 | `COORDINATOR_WRITER_TOKEN` | | the sink's writer token (when no admin token is given) |
@@ -16,8 +16,10 @@
 | `SINK_NAME` | from the checkpoint | the checkpoint directory's name (`demo-<UTC time>`; `demo-` put before a name without it) |
 | `TRANSACTIONAL_ID_PREFIX` | the sink name | used when registering the sink |
 | `TRANSACTION_TIMEOUT_MS` | `60000` | used when registering the sink |
-| `TRIGGER` | `availableNow` | `availableNow`: process what the input holds, then exit; or a processingTime interval (`1 second`): run until Ctrl-C |
+| `TRIGGER` | `availableNow` | `availableNow`: process what the input holds, then exit; or a processingTime interval (`1 second`): run until Ctrl-C, or with `INPUT_RECORDS` until the input is caught up |
 | `MAX_RECORDS_PER_BATCH` | `0` (no limit) | the Kafka source's `maxOffsetsPerTrigger` (more, smaller batches) |
+| `KAFKA_POLL_TIMEOUT_MS` | `10000` | the Kafka source's `kafkaConsumer.pollTimeoutMs`: a batch whose offsets hold only aborted records waits this long (Spark's default 120 s) |
+| `ROWS_PER_SECOND` | | an older pacing: N records a second (`TRIGGER=1 second`, `MAX_RECORDS_PER_BATCH=N`) unless those are set |
 | `SPARK_MASTER` | `local[2]` | |
 | `SPARK_JARS` | resolved by Maven | Spark's Kafka connector jars, comma-separated (default: `python -m localkafka classpath spark`) |
 
@@ -65,6 +67,7 @@ SETTINGS = [  # (flag / env name, default, help)
     ("TRANSACTION_TIMEOUT_MS", "60000", "transaction timeout (sink registration)"),
     ("TRIGGER", "availableNow", "availableNow, or a processingTime interval such as '1 second'"),
     ("MAX_RECORDS_PER_BATCH", "0", "the Kafka source's maxOffsetsPerTrigger (0: no limit)"),
+    ("KAFKA_POLL_TIMEOUT_MS", "10000", "the Kafka source's kafkaConsumer.pollTimeoutMs"),
     ("SPARK_MASTER", "local[2]", "Spark master"),
     ("SPARK_JARS", None, "Spark's Kafka connector jars, comma-separated (default: resolved by Maven)"),
 ]
@@ -80,14 +83,20 @@ def settings(argv: list[str] | None = None) -> dict[str, str | None]:
         parser.add_argument("--" + name.lower().replace("_", "-"), dest=name, default=os.environ.get(name, default),
                             help=f"{text} (env {name})")
     args = vars(parser.parse_args(argv))
-    if args["INPUT_RECORDS"] == "0" and os.environ.get("TOTAL_RECORDS"):  # the name docker-compose uses
+    if args["INPUT_RECORDS"] == "0" and os.environ.get("TOTAL_RECORDS"):  # the names docker-compose uses
         args["INPUT_RECORDS"] = os.environ["TOTAL_RECORDS"]
+    if "TOPIC_PARTITIONS" not in os.environ and os.environ.get("OUTPUT_TOPIC_PARTITIONS"):
+        args["TOPIC_PARTITIONS"] = os.environ["OUTPUT_TOPIC_PARTITIONS"]
+    rate = os.environ.get("ROWS_PER_SECOND")
+    if rate and "TRIGGER" not in os.environ and "MAX_RECORDS_PER_BATCH" not in os.environ and argv is None:
+        args["TRIGGER"], args["MAX_RECORDS_PER_BATCH"] = "1 second", rate
     for name in ("KAFKA_BOOTSTRAP_SERVERS", "COORDINATOR_URL"):
         if not args[name]:
             parser.error(f"{name} is required (environment variable or --{name.lower().replace('_', '-')})")
     if not args["COORDINATOR_ADMIN_TOKEN"] and not args["COORDINATOR_WRITER_TOKEN"]:
         parser.error("set COORDINATOR_ADMIN_TOKEN (registers the sink) or COORDINATOR_WRITER_TOKEN")
-    for name in ("INPUT_RECORDS", "TOPIC_PARTITIONS", "TRANSACTION_TIMEOUT_MS", "MAX_RECORDS_PER_BATCH"):
+    for name in ("INPUT_RECORDS", "TOPIC_PARTITIONS", "TRANSACTION_TIMEOUT_MS", "MAX_RECORDS_PER_BATCH",
+                 "KAFKA_POLL_TIMEOUT_MS"):
         if not str(args[name]).isdigit():
             parser.error(f"{name} must be a whole number, got {args[name]!r}")
     if not args["CHECKPOINT_LOCATION"]:
@@ -155,6 +164,33 @@ def fill_input(bootstrap: str, topic: str, count: int) -> tuple[int, int]:
     if producer.flush(60) or failed:
         raise RuntimeError(f"producing the input failed: {failed[:3]}")
     return had, count
+
+
+def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "example-job-count", "log_level": 3,
+                         "isolation.level": "read_committed"})
+    try:
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in partitions}
+    finally:
+        consumer.close()
+
+
+def caught_up(query: Any, topic: str, target: dict[int, int]) -> bool:
+    """The query's last finished batch ended at or past `target` in every partition of `topic`."""
+    import json
+
+    progress = query.lastProgress
+    if not progress or query.status["isTriggerActive"]:
+        return False
+    for source in progress["sources"]:
+        end = source["endOffset"]
+        end = json.loads(end) if isinstance(end, str) else end
+        if isinstance(end, dict) and topic in end:
+            return all(int(end[topic].get(str(p), -1)) >= offset for p, offset in target.items())
+    return False
 
 
 def writer_token(s: dict[str, Any]) -> str:
@@ -228,18 +264,23 @@ def main(argv: list[str] | None = None) -> int:
 
     source = (spark.readStream.format("kafka").option("kafka.bootstrap.servers", bootstrap)
               .option("subscribe", s["INPUT_TOPIC"]).option("startingOffsets", "earliest")
-              .option("kafka.isolation.level", "read_committed").option("failOnDataLoss", "true"))
+              .option("kafka.isolation.level", "read_committed").option("failOnDataLoss", "true")
+              .option("kafkaConsumer.pollTimeoutMs", int(s["KAFKA_POLL_TIMEOUT_MS"])))
     if int(s["MAX_RECORDS_PER_BATCH"]):
         source = source.option("maxOffsetsPerTrigger", int(s["MAX_RECORDS_PER_BATCH"]))
     rows = source.load().select("key", "value")
     stream = rows.writeStream.foreachBatch(writer).option("checkpointLocation", checkpoint)
     trigger = str(s["TRIGGER"])
     stream = stream.trigger(availableNow=True) if trigger == "availableNow" else stream.trigger(processingTime=trigger)
+    # processingTime with INPUT_RECORDS: stop once the input as it is now is processed
+    target = end_offsets(bootstrap, s["INPUT_TOPIC"]) if trigger != "availableNow" and int(s["INPUT_RECORDS"]) else None
     query = stream.start()
     say(f"query {query.id} run {query.runId}: {s['INPUT_TOPIC']} -> {s['OUTPUT_TOPIC']} through sink "
         f"{s['SINK_NAME']} (trigger {trigger})")
     try:
-        query.awaitTermination()
+        while not query.awaitTermination(0.5):
+            if target is not None and caught_up(query, s["INPUT_TOPIC"], target):
+                query.stop()
     except StreamingQueryException as exc:
         say(f"the query failed: {exc}", error=True)
         return 1

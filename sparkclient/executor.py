@@ -290,7 +290,8 @@ def _produce_rows(spec: TaskSpec, lease: dict[str, Any], producer: Any, rows: It
         kwargs: dict[str, Any] = {"value": value, "key": key, "on_delivery": on_delivery}
         if i_partition is not None and row[i_partition] is not None:
             kwargs["partition"] = row[i_partition]
-        headers = [(h[0], h[1]) for h in row[i_headers]] if i_headers is not None and row[i_headers] else []
+        # a header value arrives as bytearray from PySpark 3.5 (bytes from 4.x); confluent-kafka takes bytes only
+        headers = [(h[0], _as_bytes(h[1])) for h in row[i_headers]] if i_headers is not None and row[i_headers] else []
         if provenance:
             headers = headers + provenance
         if headers:

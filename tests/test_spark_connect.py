@@ -44,7 +44,10 @@ def connect() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def service(module_database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:  # noqa: F811
-    with kafka_service(module_database_url, tmp_path_factory.mktemp("coordinator")) as s:
+    # the coordinator's default Kafka timeouts: the 2 s of kafka_service's made registration's broker
+    # check fail on 2 busy cores
+    with kafka_service(module_database_url, tmp_path_factory.mktemp("coordinator"),
+                       COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS="10000", COORDINATOR_KAFKA_RETRY_BUDGET_MS="30000") as s:
         yield s
 
 

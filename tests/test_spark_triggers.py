@@ -61,11 +61,14 @@ def transaction(bootstrap: str, topic: str, values: range, commit: bool) -> None
 def kafka_query(spark: Any, bootstrap: str, topic: str, checkpoint: Path, writer: Any, **trigger: Any) -> Any:
     rows = (spark.readStream.format("kafka").option("kafka.bootstrap.servers", bootstrap).option("subscribe", topic)
             .option("startingOffsets", "earliest").option("kafka.isolation.level", "read_committed")
-            .option("maxOffsetsPerTrigger", 11).load())
+            .option("maxOffsetsPerTrigger", 11)
+            # a range holding only aborted records: Spark's consumer polls until this timeout (default 120 s)
+            .option("kafkaConsumer.pollTimeoutMs", 3000).load())
     return (rows.select("key", "value").writeStream.foreachBatch(writer).option("checkpointLocation", str(checkpoint))
             .trigger(**trigger).start())
 
 
+@pytest.mark.timeout(900)  # two queries, six batches, on 2 busy cores
 def test_kafka_source_with_available_now_then_processing_time_and_an_empty_batch(
     spark: Any, service: ServiceProcess, real_kafka: RealKafka, tmp_path: Path
 ) -> None:

@@ -6,16 +6,25 @@
 
 FROM python:3.11-slim-bookworm AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+# Maven resolves Spark's Kafka connector (the example job's Kafka source) through localkafka's pom
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends maven openjdk-17-jre-headless \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY coordinator ./coordinator
 COPY migrations ./migrations
 COPY sparkclient ./sparkclient
 COPY e2e ./e2e
+COPY localkafka ./localkafka
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/venv \
  && WHEEL=$(ls /wheels/*.whl) \
- && /opt/venv/bin/pip install "${WHEEL}[spark,server]"
+ && /opt/venv/bin/pip install "${WHEEL}[spark,server]" \
+ && mkdir -p /opt/spark-jars \
+ && /opt/venv/bin/python -m localkafka classpath spark | xargs -I{} cp {} /opt/spark-jars/
 
 FROM python:3.11-slim-bookworm
 # not pinned to Debian revisions (DL3008): bookworm's security updates replace them
@@ -27,12 +36,14 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
     PYSPARK_PYTHON=/opt/venv/bin/python \
+    SPARK_JARS=/opt/spark-jars/*.jar \
     CHECKPOINT_LOCATION=/data/checkpoints/demo
 # Spark (Hadoop's UserGroupInformation) needs the uid to have a name
 RUN groupadd --gid 10001 spark \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin spark \
  && mkdir -p /data/checkpoints && chown -R 10001:10001 /data
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/spark-jars /opt/spark-jars
 USER 10001:10001
 WORKDIR /tmp
 VOLUME ["/data/checkpoints"]

@@ -1,7 +1,7 @@
 """sink retirement: a retired sink keeps its row, name, prefix and event trail, and takes no more calls
 
-Revision ID: 0005
-Revises: 0003
+Revision ID: 0006
+Revises: 0005
 Create Date: 2026-11-23 14:00:00
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0005'
-down_revision = '0003'  # at merge: the newest revision on main (0004 when the two-call protocol lands)
+revision = '0006'
+down_revision = '0005'
 branch_labels = None
 depends_on = None
 

@@ -1,5 +1,5 @@
 # The coordinator's image: `docker build -t spark-eos-coordinator .`
-# Stage 1 builds the project's wheel and installs it with its dependencies into a venv; stage 2
+# Stage 1 builds the project's wheel and installs it with the server's dependencies ([server]) into a venv; stage 2
 # copies only that venv onto a slim Python. Runs as a non-root uid and writes nothing outside /tmp,
 # so it runs with a read-only root filesystem (Kubernetes readOnlyRootFilesystem, compose read_only).
 
@@ -11,7 +11,8 @@ COPY coordinator ./coordinator
 COPY migrations ./migrations
 RUN pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/venv \
- && /opt/venv/bin/pip install /wheels/*.whl \
+ && WHEEL=$(ls /wheels/*.whl) \
+ && /opt/venv/bin/pip install "${WHEEL}[server]" \
  && /opt/venv/bin/python -m compileall -q /opt/venv/lib
 
 FROM python:3.11-slim-bookworm

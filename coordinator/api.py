@@ -9,16 +9,29 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, Path, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
+from fastapi import Depends, FastAPI, Query, Response
 from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from . import __version__, metrics
+from .api_docs import mount_docs
 from .auth import Principal, tokens_equal, writer_token
 from .broker import PartitionWatch, check_sink_broker, observe_partitions
 from .dashboard import create_dashboard
+from .http_input import (
+    AttemptNumber,
+    BatchId,
+    ErrorOut,
+    EventId,
+    InputRoute,
+    LeaseId,
+    PageSize,
+    SinkName,
+    error_responses,
+    install_error_handlers,
+)
 from .protocol import errors as e
-from .protocol.model import PartitionResult, Sink
+from .protocol.model import Sink
 from .protocol.rules import PrecommitRequest
 from .protocol.states import CheckpointState
 from .schemas import (
@@ -32,7 +45,6 @@ from .schemas import (
     CheckpointOut,
     CommitOut,
     CommitRequest,
-    ErrorOut,
     EventOut,
     GenerationOut,
     GenerationRequest,
@@ -53,14 +65,15 @@ from .store.db import schema_is_current
 
 log = logging.getLogger(__name__)
 
-SinkName = Annotated[str, Path(min_length=1, max_length=100)]
-BatchId = Annotated[int, Path(ge=0, le=2**63 - 1)]
-AttemptNo = Annotated[int, Path(ge=1)]
-LeaseId = Annotated[int, Path(ge=1)]
+# The error statuses each kind of route can answer (413/415/422 are added by InputRoute; 503 is a
+# database that does not answer, or, for the protocol, no Kafka control plane or an exhausted pool)
+ADMIN_ONLY = error_responses(401, 403, 503)
+ON_SINK = error_responses(401, 403, 404, 503)
+PROTOCOL = error_responses(401, 403, 404, 409, 503)
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    s: {"model": ErrorOut} for s in (401, 403, 404, 409, 503)
-}
+bearer_scheme = HTTPBearer(
+    auto_error=False, description="the admin token, or a sink's writer token for that sink's protocol calls and reads"
+)
 
 
 class _SinkTokenCache:
@@ -97,7 +110,11 @@ def create_app(
         description="Two-phase commit of Kafka transactions tied to Spark micro-batches. "
         "Authenticate with `Authorization: Bearer <token>`: the admin token for sink management "
         "and operator actions, a sink's writer token for its protocol calls.",
+        docs_url=None,
+        redoc_url=None,
     )
+    app.router.route_class = InputRoute
+    mount_docs(app)  # /docs and /redoc from the package's assets, not a CDN
     app.state.coordinator = coordinator
     app.add_middleware(metrics.HttpMetricsMiddleware)
     database_metrics = metrics.database_registry(coordinator.engine)
@@ -105,35 +122,18 @@ def create_app(
 
     # --- errors ------------------------------------------------------------------------------
 
-    @app.exception_handler(e.ProtocolError)
-    async def protocol_error(_: Request, exc: e.ProtocolError) -> JSONResponse:
-        body = exc.to_dict()
+    def count_fenced(exc: e.ProtocolError) -> None:
         if exc.status == 409:
             metrics.request_fenced(exc.reason)
-        field = exc.detail.get("field")
-        if isinstance(exc, e.Invalid) and isinstance(field, str) and "fields" not in exc.detail:
-            # every 422 names its fields in one shape, whether pydantic or the service refused
-            body["detail"] = {**exc.detail, "fields": [{"field": field, "message": exc.message}]}
-        return JSONResponse(status_code=exc.status, content={"error": body})
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        fields = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"] if p not in ("body", "path", "query"))
-            fields.append({"field": loc, "message": err["msg"]})
-        message = "; ".join(f"{f['field'] or 'body'}: {f['message']}" for f in fields)
-        return JSONResponse(
-            status_code=422,
-            content={"error": {"reason": "invalid_request", "message": message, "detail": {"fields": fields}}},
-        )
+    install_error_handlers(app, on_protocol_error=count_fenced)
 
     # --- authentication ----------------------------------------------------------------------
 
-    def bearer(authorization: Annotated[str | None, Header()] = None) -> str:
-        if not authorization or not authorization.startswith("Bearer "):
+    def bearer(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]) -> str:
+        if credentials is None:
             raise _Unauthorized()
-        return authorization[len("Bearer "):].strip()
+        return credentials.credentials.strip()
 
     def admin(token: Annotated[str, Depends(bearer)]) -> Principal:
         if not tokens_equal(token, admin_token):
@@ -141,15 +141,17 @@ def create_app(
         return Principal(is_admin=True)
 
     def writer(name: SinkName, token: Annotated[str, Depends(bearer)]) -> Principal:
-        """The sink's writer token, or the admin token."""
+        """The sink's writer token, or the admin token. Without the admin token, an unknown sink
+        and another sink's are refused alike: the answer does not tell which names exist."""
         if tokens_equal(token, admin_token):
             return Principal(is_admin=True)
+        not_yours = _Forbidden(f"the token is neither the admin token nor sink {name!r}'s writer token")
         try:
             sink_id, version = cache.get(name, coordinator.get_sink)
         except e.NotFound:
-            raise _Forbidden(f"token is not valid for sink {name!r}") from None
+            raise not_yours from None
         if not tokens_equal(token, writer_token(token_secret, sink_id, version)):
-            raise _Forbidden(f"token is neither the admin token nor sink {name!r}'s writer token")
+            raise not_yours
         return Principal(is_admin=False, sink_name=name)
 
     Admin = Annotated[Principal, Depends(admin)]
@@ -162,7 +164,7 @@ def create_app(
         """Liveness: the process answers."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], responses={503: {"model": ErrorOut}})
+    @app.get("/readyz", tags=["health"], responses={503: {"model": ErrorOut, "description": "not ready (error.reason says why)"}})
     def readyz() -> JSONResponse:
         """Readiness: the database answers and its schema is at the current migration."""
         try:
@@ -188,7 +190,11 @@ def create_app(
     def registered(sink: Sink) -> SinkRegistered:
         return SinkRegistered(sink=SinkOut.of(sink), writer_token=writer_token(token_secret, sink.id, sink.writer_token_version))
 
-    @app.post("/v1/sinks", status_code=201, tags=["sinks"], responses=ERRORS)
+    @app.post("/v1/sinks", status_code=201, tags=["sinks"], responses={
+        200: {"model": SinkRegistered, "description": "the same configuration was registered before (a retry): "
+              "the same sink and writer token"},
+        **error_responses(401, 403, 409, 503),
+    })
     def register_sink(body: SinkRegistration, who: Admin, response: Response) -> SinkRegistered:
         """Register a sink (201). Registering the same configuration again returns the same sink and
         writer token (200); a different configuration under the same name is a 409."""
@@ -196,35 +202,42 @@ def create_app(
         sink, created = coordinator.register_sink(spec, who.actor, check_broker=body.check_broker)
         if not created:
             response.status_code = 200
-        return registered(sink)
+        answer = registered(sink)
+        if not body.check_broker or coordinator.control_plane is None:  # a retry gets the same answer
+            answer.warnings.append(
+                f"the broker {spec.bootstrap_servers} was not checked ("
+                + ("check_broker=false" if not body.check_broker else "no Kafka control plane") + "): "
+                f"check it before the first batch with POST /v1/sinks/{spec.name}/broker-check or "
+                f"`coordinator doctor --sink {spec.name}`")
+        return answer
 
-    @app.get("/v1/sinks", tags=["sinks"], responses=ERRORS)
+    @app.get("/v1/sinks", tags=["sinks"], responses=ADMIN_ONLY)
     def list_sinks(_: Admin) -> list[SinkOut]:
         return [SinkOut.of(s) for s in coordinator.list_sinks()]
 
-    @app.get("/v1/sinks/{name}", tags=["sinks"], responses=ERRORS)
+    @app.get("/v1/sinks/{name}", tags=["sinks"], responses=ON_SINK)
     def describe_sink(name: SinkName, _: Writer) -> SinkOut:
         return SinkOut.of(coordinator.get_sink(name))
 
-    @app.post("/v1/sinks/{name}/writer-token", tags=["sinks"], responses=ERRORS)
+    @app.post("/v1/sinks/{name}/writer-token", tags=["sinks"], responses=ON_SINK)
     def rotate_writer_token(name: SinkName, who: Admin) -> SinkRegistered:
         """Issue a new writer token for the sink; the old one stops working."""
         sink = coordinator.rotate_writer_token(name, who.actor)
         cache.forget(name)
         return registered(sink)
 
-    @app.post("/v1/sinks/{name}/generations", tags=["protocol"], responses=ERRORS)
+    @app.post("/v1/sinks/{name}/generations", tags=["protocol"], responses=PROTOCOL)
     def start_generation(name: SinkName, body: GenerationRequest, who: Writer) -> GenerationOut:
         """A Spark query (re)started: returns a new generation that fences every older driver."""
         gen, aborts = coordinator.start_generation(name, body.query_id, body.run_id, who.actor)
         return GenerationOut(generation=gen, aborted=aborts.aborted, abort_pending=aborts.pending)
 
-    @app.post("/v1/sinks/{name}/lineage/reset", tags=["operator"], responses=ERRORS)
+    @app.post("/v1/sinks/{name}/lineage/reset", tags=["operator"], responses=PROTOCOL)
     def reset_lineage(name: SinkName, body: LineageReset, who: Admin) -> SinkOut:
         """Let a query started from a fresh checkpoint location take over this sink."""
         return SinkOut.of(coordinator.reset_lineage(name, who.actor, body.reason))
 
-    @app.post("/v1/sinks/{name}/lost-data/acknowledge", tags=["operator"], responses=ERRORS)
+    @app.post("/v1/sinks/{name}/lost-data/acknowledge", tags=["operator"], responses=PROTOCOL)
     def acknowledge_lost_data(name: SinkName, body: LostDataAcknowledgement, who: Admin) -> LostDataAcknowledged:
         """Clear the halt a lost commit put on the sink (its `data_lost` events say which batch and
         partitions). Recorded with who and when in the event trail; the LOST batches are then
@@ -234,61 +247,64 @@ def create_app(
 
     # --- checkpoints -------------------------------------------------------------------------
 
-    @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/begin", tags=["protocol"], responses=ERRORS)
+    @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/begin", tags=["protocol"], responses=PROTOCOL)
     def begin_checkpoint(name: SinkName, batch_id: BatchId, body: BeginCheckpointRequest, who: Writer) -> BeginOut:
-        return BeginOut.of(coordinator.begin_checkpoint(name, batch_id, body.generation, who.actor))
+        return BeginOut.of(coordinator.begin_checkpoint(
+            name, batch_id, body.generation, who.actor, partitions=body.partitions, offsets_digest=body.offsets))
 
     @app.post(
-        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/leases", tags=["protocol"], responses=ERRORS
+        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/leases", tags=["protocol"], responses=PROTOCOL
     )
     def begin_partition(
-        name: SinkName, batch_id: BatchId, attempt: AttemptNo, body: LeaseRequest, _: Writer
+        name: SinkName, batch_id: BatchId, attempt: AttemptNumber, body: LeaseRequest, _: Writer
     ) -> LeaseGranted:
         lease = coordinator.begin_partition(name, batch_id, attempt, body.generation, body.partition, body.task_attempt_id)
         out = LeaseOut.of(lease, attempt)
         timeout_ms = int((lease.deadline_at - lease.leased_at).total_seconds() * 1000)
-        return LeaseGranted(**out.model_dump(), transaction_timeout_ms=timeout_ms)
+        age_ms = max(0, int((coordinator.clock.now() - lease.leased_at).total_seconds() * 1000))  # the database's clock
+        return LeaseGranted(**out.model_dump(), transaction_timeout_ms=timeout_ms, age_ms=age_ms,
+                            max_lease_init_age_ms=coordinator.limits.lease_max_init_age_ms)
 
-    @app.post("/v1/sinks/{name}/leases/{lease_id}/precommit", tags=["protocol"], responses=ERRORS)
+    @app.post("/v1/sinks/{name}/leases/{lease_id}/precommit", tags=["protocol"], responses=PROTOCOL)
     def precommit(name: SinkName, lease_id: LeaseId, body: PrecommitBody, _: Writer) -> LeaseOut:
         req = PrecommitRequest(body.producer_id, body.producer_epoch, body.records, body.bytes, body.write_ms)
         return LeaseOut.of(coordinator.precommit(name, lease_id, body.generation, req))
 
     @app.post(
-        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/commit", tags=["protocol"], responses=ERRORS
+        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/commit", tags=["protocol"], responses=PROTOCOL
     )
-    def commit(name: SinkName, batch_id: BatchId, attempt: AttemptNo, body: CommitRequest, who: Writer) -> CommitOut:
-        results = [PartitionResult(p.partition, p.lease_id) for p in body.partitions]
+    def commit(name: SinkName, batch_id: BatchId, attempt: AttemptNumber, body: CommitRequest, who: Writer) -> CommitOut:
+        results = [p.result() for p in body.partitions]
         return CommitOut.of(coordinator.commit(name, batch_id, attempt, body.generation, results, who.actor, body.job_ms))
 
     @app.post(
-        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/abort", tags=["protocol"], responses=ERRORS
+        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/abort", tags=["protocol"], responses=PROTOCOL
     )
-    def abort(name: SinkName, batch_id: BatchId, attempt: AttemptNo, body: AbortRequest, who: Writer) -> AbortOut:
+    def abort(name: SinkName, batch_id: BatchId, attempt: AttemptNumber, body: AbortRequest, who: Writer) -> AbortOut:
         if not who.is_admin and body.generation is None:
             raise e.Invalid("generation_required", "a writer must name its generation", field="generation")
         result, outcome = coordinator.abort_attempt(name, batch_id, attempt, body.generation, body.reason, who.actor)
         return AbortOut.of(result, outcome)
 
-    @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/resume", tags=["protocol"], responses=ERRORS)
+    @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/resume", tags=["protocol"], responses=PROTOCOL)
     def resume(name: SinkName, batch_id: BatchId, _: Writer) -> CommitOut:
         """Finish a decided commit; answers from the record if it is already finished."""
         return CommitOut.of(coordinator.resume(name, batch_id))
 
     # --- reads -------------------------------------------------------------------------------
 
-    @app.get("/v1/sinks/{name}/checkpoints", tags=["reads"], responses=ERRORS)
+    @app.get("/v1/sinks/{name}/checkpoints", tags=["reads"], responses=ON_SINK)
     def list_checkpoints(
         name: SinkName,
         _: Writer,
         state: CheckpointState | None = None,
-        before_batch: Annotated[int | None, Query(ge=0)] = None,
-        limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+        before_batch: BatchId | None = None,
+        limit: PageSize = 50,
     ) -> list[CheckpointOut]:
         """Checkpoints of the sink's current lineage, newest first; page with before_batch."""
         return [CheckpointOut.of(c) for c in coordinator.list_checkpoints(name, state=state, before_batch=before_batch, limit=limit)]
 
-    @app.get("/v1/sinks/{name}/checkpoints/{batch_id}", tags=["reads"], responses=ERRORS)
+    @app.get("/v1/sinks/{name}/checkpoints/{batch_id}", tags=["reads"], responses=ON_SINK)
     def checkpoint_detail(name: SinkName, batch_id: BatchId, _: Writer) -> CheckpointDetailOut:
         d = coordinator.checkpoint_detail(name, batch_id)
         number = {a.id: a.number for a in d.attempts}
@@ -298,18 +314,18 @@ def create_app(
             leases=[LeaseOut.of(x, number[x.attempt_id]) for x in d.leases],
         )
 
-    @app.get("/v1/sinks/{name}/transactions/open", tags=["reads"], responses=ERRORS)
+    @app.get("/v1/sinks/{name}/transactions/open", tags=["reads"], responses=ON_SINK)
     def open_transactions(name: SinkName, _: Writer) -> list[LeaseOut]:
         """Every transactional id that may hold an unresolved transaction, with its lease."""
         return [LeaseOut.of(x) for x in coordinator.possibly_open_transactions(name)]
 
-    @app.get("/v1/sinks/{name}/events", tags=["reads"], responses=ERRORS)
+    @app.get("/v1/sinks/{name}/events", tags=["reads"], responses=ON_SINK)
     def list_events(
         name: SinkName,
         _: Writer,
-        after_id: Annotated[int, Query(ge=0)] = 0,
-        batch_id: Annotated[int | None, Query(ge=0)] = None,
-        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        after_id: EventId = 0,
+        batch_id: BatchId | None = None,
+        limit: PageSize = 100,
     ) -> list[EventOut]:
         """The audit trail, oldest first; page with after_id."""
         return [EventOut(**ev) for ev in coordinator.list_events(name, after_id=after_id, batch_id=batch_id, limit=limit)]
@@ -318,14 +334,14 @@ def create_app(
 
     partition_watch = PartitionWatch()
 
-    @app.post("/v1/sinks/{name}/broker-check", tags=["operator"], responses=ERRORS)
+    @app.post("/v1/sinks/{name}/broker-check", tags=["operator"], responses=ON_SINK)
     def broker_check(name: SinkName, _: Admin) -> list[BrokerCheckOut]:
         """Check the sink's Kafka cluster now: bootstrap and advertised listeners reachable,
         transactions supported, transaction.max.timeout.ms against the sink's timeout, no unknown
         producer under the prefix, authorization. Each verdict in plain words with its fix."""
         return [BrokerCheckOut(**asdict(c)) for c in check_sink_broker(coordinator, name)]
 
-    @app.get("/v1/sinks/{name}/partitions", tags=["operator"], responses=ERRORS)
+    @app.get("/v1/sinks/{name}/partitions", tags=["operator"], responses=ON_SINK)
     def partitions(
         name: SinkName, _: Admin, min_stall_s: Annotated[float, Query(ge=0, le=86_400)] = 60.0
     ) -> PartitionsOut:

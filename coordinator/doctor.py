@@ -173,7 +173,7 @@ def check_broker(sink: SinkUnderCheck, known: set[str], settings: Settings, requ
     try:
         target = KafkaTarget(sink.name, sink.bootstrap_servers, sink.transaction_timeout_ms)
         # pool ids are "<prefix>-<ordinal>": only ids under "<prefix>-" can collide (as check_sink_broker)
-        checks = plane.check_broker(target, sink.transactional_id_prefix + "-", known)
+        checks = plane.check_broker(target, rules.transactional_id_stem(sink.transactional_id_prefix), known)
     finally:
         plane.close()
     return [from_broker_check(f"sink {sink.name}", c) for c in checks]

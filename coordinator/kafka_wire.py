@@ -703,6 +703,7 @@ class KafkaWireControlPlane:
         self._clients: dict[str, _BrokerClient] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Event()  # wakes retry back-offs at close: shutdown takes seconds
 
     # --- the interface -------------------------------------------------------------------------
 
@@ -877,6 +878,7 @@ class KafkaWireControlPlane:
         return verdict_prefix(listed, prefix, known_ids, incomplete=incomplete)
 
     def close(self) -> None:
+        self._closing.set()
         with self._lock:
             self._closed = True
             clients, self._clients = list(self._clients.values()), {}
@@ -953,4 +955,6 @@ class KafkaWireControlPlane:
                     code=code,
                 )
             log.warning("%s of %s: retrying in %.2f s after %s", what, transactional_id, backoff, detail)
-            time.sleep(backoff)
+            if self._closing.wait(backoff):
+                raise ControlPlaneError(f"{what} of {transactional_id!r}: the Kafka control plane is closed "
+                                        f"(last: {detail})", retriable=True, code="closed")

@@ -50,6 +50,12 @@ TRANSACTIONS_LOST = Counter(
     "Winning transactions whose commit Kafka refused for good (fenced, timed out, unknown producer)",
     ["sink"],
 )
+OFFSETS_MISMATCH = Counter(
+    "coordinator_offsets_mismatch",
+    "Begins refused because the batch was planned over other offsets than at its first begin "
+    "(a checkpoint location restored from an older backup): alert on any increase",
+    ["sink"],
+)
 LOST_DATA_ACKNOWLEDGED = Counter(
     "coordinator_lost_data_acknowledged",
     "Operator acknowledgements that cleared a sink's lost-data halt",

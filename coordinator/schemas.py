@@ -3,17 +3,38 @@ is a 422 naming it, not a silently ignored option."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .protocol.model import Attempt, Checkpoint, Lease, Sink
+from .http_input import (
+    AbortReason,
+    BootstrapServers,
+    CommitMarginMs,
+    Count,
+    ErrorBody,  # noqa: F401  (the API's error format lives in http_input; imported from here too)
+    ErrorOut,
+    Generation,
+    Id,
+    LeaseId,
+    Millis,
+    OperatorName,
+    Partition,
+    PoolSize,
+    ProducerEpoch,
+    ProducerId,
+    Reason,
+    SinkName,
+    TaskAttemptId,
+    Topic,
+    TransactionalIdPrefix,
+    TransactionTimeoutMs,
+)
+from .protocol.model import Attempt, Checkpoint, Lease, PartitionResult, PrecommitRecord, Sink
 from .service import AbortOutcome, BeginResult, CommitResult
 
-Id = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._:-]+$")]
-Generation = Annotated[int, Field(ge=1, le=2**31 - 1, description="the generation returned by start-generation")]
-Reason = Annotated[str, Field(min_length=1, max_length=500)]
+MAX_COMMIT_PARTITIONS = 100_000  # COORDINATOR_MAX_PARTITIONS' ceiling; the service applies the configured one
 
 
 class Request(BaseModel):
@@ -24,13 +45,13 @@ class Request(BaseModel):
 
 
 class SinkRegistration(Request):
-    name: Annotated[str, Field(min_length=1, max_length=100)]
-    transactional_id_prefix: Annotated[str, Field(min_length=1, max_length=200)]
-    bootstrap_servers: Annotated[str, Field(min_length=1, max_length=2000)]
-    topics: Annotated[list[Annotated[str, Field(min_length=1, max_length=249)]], Field(max_length=100)] = []
-    transaction_timeout_ms: Annotated[int, Field(ge=1_000, le=86_400_000)] = 60_000
-    commit_margin_ms: Annotated[int | None, Field(ge=0)] = None
-    max_pool_size: Annotated[int | None, Field(ge=1, le=1_000_000)] = None
+    name: SinkName
+    transactional_id_prefix: TransactionalIdPrefix
+    bootstrap_servers: BootstrapServers
+    topics: Annotated[list[Topic], Field(max_length=100)] = []
+    transaction_timeout_ms: TransactionTimeoutMs = 60_000
+    commit_margin_ms: CommitMarginMs | None = None
+    max_pool_size: PoolSize | None = None
     check_broker: bool = Field(
         True,
         description="check the broker before registering (reachability, advertised listeners, transactions, "
@@ -49,42 +70,80 @@ class LineageReset(Request):
 
 class LostDataAcknowledgement(Request):
     reason: Reason = Field(description="what was done about the lost data (re-delivered, accepted, ...)")
-    operator: Annotated[str | None, Field(max_length=200, description="who acknowledges (kept in the event trail)")] = None
+    operator: OperatorName | None = Field(None, description="who acknowledges (kept in the event trail)")
 
 
 class BeginCheckpointRequest(Request):
     generation: Generation
+    partitions: Annotated[int | None, Field(ge=0, le=100_000, description=(
+        "the batch's partition count: a write answer then carries a pre-leased transactional id for "
+        "each partition's first task try (stage attempt 0, task attempt 0); omit for no pre-leases"))] = None
+    offsets: Annotated[str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9:._-]+$", description=(
+        "a digest of the offsets Spark planned for the batch (its offsets/<batch> entry); bound to the "
+        "checkpoint at the first begin that names one, and a begin over other offsets is refused (409 "
+        "batch_offsets_mismatch). Optional for older clients"))] = None
 
 
 class LeaseRequest(Request):
     generation: Generation
-    partition: Annotated[int, Field(ge=0)]
-    task_attempt_id: Annotated[int, Field(ge=0, le=2**63 - 1, description="Spark's TaskContext.taskAttemptId()")]
+    partition: Partition
+    task_attempt_id: TaskAttemptId
 
 
 class PrecommitBody(Request):
     generation: Generation
-    producer_id: Annotated[int, Field(ge=0, le=2**63 - 1)]
-    producer_epoch: Annotated[int, Field(ge=0, le=32767)]
-    records: Annotated[int, Field(ge=1, description="an empty partition takes no lease and never pre-commits")]
-    bytes: Annotated[int, Field(ge=0)]
-    write_ms: Annotated[int | None, Field(ge=0, description="the task's produce + flush time, for throughput figures")] = None
+    producer_id: ProducerId
+    producer_epoch: ProducerEpoch
+    records: Annotated[Count, Field(ge=1, description="an empty partition takes no lease and never pre-commits")]
+    bytes: Count
+    write_ms: Millis | None = Field(None, description="the task's produce + flush time, for throughput figures")
+
+
+TopicPartitionOffset = tuple[Topic, Partition, Count]
 
 
 class PartitionResultBody(Request):
-    partition: Annotated[int, Field(ge=0)]
-    lease_id: Annotated[int | None, Field(ge=1, description="the winning lease; null for an empty partition")]
+    partition: Partition
+    lease_id: LeaseId | None = Field(description="the winning lease; null for an empty partition")
+    # the winner's pre-commit record from its Spark task result (all four, or none if the lease was
+    # pre-committed with the pre-commit call)
+    producer_id: ProducerId | None = None
+    producer_epoch: ProducerEpoch | None = None
+    records: Annotated[Count, Field(ge=1)] | None = None
+    bytes: Count | None = None
+    write_ms: Millis | None = None
+    first_offsets: Annotated[list[TopicPartitionOffset] | None, Field(max_length=100_000, description=(
+        "[topic, partition, offset]: the first offset the transaction wrote in each topic-partition"))] = None
+
+    @model_validator(mode="after")
+    def _record_whole(self) -> PartitionResultBody:
+        given = [v is not None for v in (self.producer_id, self.producer_epoch, self.records, self.bytes)]
+        if any(given) and not all(given):
+            raise ValueError("producer_id, producer_epoch, records and bytes come together (the pre-commit record)")
+        if any(given) and self.lease_id is None:
+            raise ValueError("a pre-commit record needs the lease_id it belongs to")
+        return self
+
+    def result(self) -> PartitionResult:
+        record = None
+        if self.producer_id is not None:
+            assert self.producer_epoch is not None and self.records is not None and self.bytes is not None
+            record = PrecommitRecord(self.producer_id, self.producer_epoch, self.records, self.bytes, self.write_ms,
+                                     [list(x) for x in self.first_offsets] if self.first_offsets is not None else None)
+        return PartitionResult(self.partition, self.lease_id, record)
 
 
 class CommitRequest(Request):
     generation: Generation
-    partitions: list[PartitionResultBody] = Field(description="every partition 0..N-1 of the attempt, once")
-    job_ms: Annotated[int | None, Field(ge=0, description="the driver's Spark write job, start to end")] = None
+    partitions: Annotated[list[PartitionResultBody], Field(max_length=MAX_COMMIT_PARTITIONS)] = Field(
+        description="every partition 0..N-1 of the attempt, once"
+    )
+    job_ms: Millis | None = Field(None, description="the driver's Spark write job, start to end")
 
 
 class AbortRequest(Request):
     generation: Generation | None = Field(None, description="required for writer tokens; operators may omit it")
-    reason: Reason = "aborted_by_driver"
+    reason: AbortReason = "aborted_by_driver"
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -119,6 +178,7 @@ class LostDataAcknowledged(BaseModel):
 class SinkRegistered(BaseModel):
     sink: SinkOut
     writer_token: str = Field(description="bearer token for this sink's protocol calls; keep it secret")
+    warnings: list[str] = Field([], description="e.g. that the broker was not checked (check_broker=false)")
 
 
 class GenerationOut(BaseModel):
@@ -185,6 +245,18 @@ class LeaseOut(BaseModel):
 
 class LeaseGranted(LeaseOut):
     transaction_timeout_ms: int
+    age_ms: int = Field(0, description="the lease's age when answered, by the database's clock")
+    max_lease_init_age_ms: int | None = Field(None, description="a task never starts init_transactions on a lease older")
+
+
+class PreLeaseOut(BaseModel):
+    lease_id: int
+    partition: int
+    transactional_id: str
+    leased_at: datetime
+    deadline_at: datetime
+    transaction_timeout_ms: int
+    age_ms: int = Field(description="the lease's age when answered, by the database's clock")
 
 
 class BeginOut(BaseModel):
@@ -195,9 +267,18 @@ class BeginOut(BaseModel):
     resumed: bool = Field(description="a decided but unfinished commit was finished by this call")
     aborted: list[str] = Field(description="transactional ids of older attempts aborted")
     abort_pending: list[str] = Field(description="transactional ids of older attempts still to abort")
+    pre_leases: list[PreLeaseOut] = Field(
+        default_factory=list, description="with action write and a partition count: each partition's first-try lease"
+    )
+    commit_margin_ms: int | None = Field(None, description="a task fails rather than return a transaction this "
+                                         "close to its deadline (the commit gate would refuse it)")
+    max_lease_init_age_ms: int | None = Field(None, description="a task never starts init_transactions on a lease older")
+    producer_init_timeout_ms: int | None = Field(None, description="the init_transactions timeout tasks use")
+    producer_request_timeout_ms: int | None = Field(None, description="the producer request timeout tasks use")
 
     @classmethod
     def of(cls, r: BeginResult) -> BeginOut:
+        at = r.answered_at
         return cls(
             action="write" if r.must_write else "skip",
             batch_id=r.checkpoint.batch_id,
@@ -206,7 +287,20 @@ class BeginOut(BaseModel):
             resumed=r.action == "resume",
             aborted=r.older_aborted,
             abort_pending=r.older_abort_pending,
+            pre_leases=[
+                PreLeaseOut(
+                    lease_id=x.id, partition=x.partition, transactional_id=x.transactional_id, leased_at=x.leased_at,
+                    deadline_at=x.deadline_at, transaction_timeout_ms=_ms(x.deadline_at - x.leased_at),
+                    age_ms=max(0, _ms(at - x.leased_at)) if at is not None else 0,
+                )
+                for x in r.pre_leases
+            ],
+            **(r.lease_rules or {}),
         )
+
+
+def _ms(d: timedelta) -> int:
+    return int(d / timedelta(milliseconds=1))
 
 
 class CommittedPartition(BaseModel):
@@ -275,16 +369,6 @@ class EventOut(BaseModel):
     actor: str
     batch_id: int | None
     detail: dict[str, Any]
-
-
-class ErrorBody(BaseModel):
-    reason: str
-    message: str
-    detail: dict[str, Any] | None = None
-
-
-class ErrorOut(BaseModel):
-    error: ErrorBody
 
 
 # --- broker observations (coordinator/broker.py) -------------------------------------------------

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from . import DEFAULT_DATA_DIR
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="COORDINATOR_", extra="ignore")
@@ -16,7 +18,7 @@ class Settings(BaseSettings):
     # Postgres URL (postgresql://user:pass@host:5432/db). Unset: `coordinator serve` starts an
     # embedded Postgres in data_dir.
     database_url: str | None = None
-    data_dir: Path = Path(".coordinator-data")
+    data_dir: Path = Path(DEFAULT_DATA_DIR)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     workers: int = Field(1, ge=1, le=64)
@@ -30,9 +32,9 @@ class Settings(BaseSettings):
     # Key from which per-sink writer tokens are derived; defaults to one derived from the admin
     # token (then rotating the admin token rotates every writer token too).
     token_secret: SecretStr | None = None
-    # How the coordinator acts on Kafka. Unset: commits are refused (503) until one is set.
-    # "none": record-only test mode that never touches Kafka.
-    kafka_control_plane: Literal["none", "kafka"] | None = None
+    # How the coordinator acts on Kafka. "kafka" (default): commits and aborts go to each sink's
+    # brokers. "none": record-only test mode that never touches Kafka (logged loudly).
+    kafka_control_plane: Literal["none", "kafka"] = "kafka"
     # The "kafka" control plane: per-request timeout, total retry time for one commit or abort,
     # and kafka-python client settings for security (JSON, e.g. {"security_protocol":
     # "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "coordinator"}).
@@ -42,7 +44,18 @@ class Settings(BaseSettings):
     kafka_sasl_password: SecretStr | None = None
     max_partitions: int = Field(4096, ge=1, le=100_000)
     broker_max_transaction_timeout_ms: int = Field(900_000, ge=1_000)
-    restart_budget_ms: int = Field(60_000, ge=0)
+    # How long a crashed driver takes to come back and resume a decided commit. A commit warns
+    # when the batch's duration plus this exceeds the sink's transaction timeout; kept well below
+    # the default timeout (60 s) so that the warning fires only for slow batches.
+    restart_budget_ms: int = Field(20_000, ge=0)
+    # No quick reuse (DESIGN §3 Revisions): executors start init_transactions only on a lease
+    # younger than lease_max_init_age_ms and give it producer_init_timeout_ms (its requests
+    # producer_request_timeout_ms); an id freed from an undecided try is leased again only after
+    # transactional_id_quarantine_ms, which must exceed the three together (checked at start).
+    lease_max_init_age_ms: int = Field(30_000, ge=1_000)
+    producer_init_timeout_ms: int = Field(60_000, ge=1_000)
+    producer_request_timeout_ms: int = Field(60_000, ge=1_000)
+    transactional_id_quarantine_ms: int = Field(180_000, ge=1_000)
     db_pool_size: int = Field(20, ge=1, le=500)
     # The recovery loop (one leader among replicas): finishes decided commits, aborts expired
     # leases and lingering transactions, warns before timeouts. The leader's lease lasts

@@ -60,11 +60,12 @@ class Verdict:
     unexpected: dict[str, list[str]] = field(default_factory=dict)  # value (or repr) -> where
     key_mismatches: list[str] = field(default_factory=list)
     open_transactions: list[str] = field(default_factory=list)
+    unstable_partitions: list[str] = field(default_factory=list)  # last stable offset below the high watermark
 
     @property
     def ok(self) -> bool:
         return not (self.missing or self.duplicates or self.unexpected or self.key_mismatches
-                    or self.open_transactions)
+                    or self.open_transactions or self.unstable_partitions)
 
     def report(self, limit: int = 20) -> str:
         lines = [f"{'PASS' if self.ok else 'FAIL'}: {self.seen_count} records read_committed, "
@@ -81,12 +82,16 @@ class Verdict:
             lines.append(f"key differs from value ({len(self.key_mismatches)}): {_short(self.key_mismatches, limit)}")
         if self.open_transactions:
             lines.append(f"open transactions ({len(self.open_transactions)}): {_short(self.open_transactions, limit)}")
+        if self.unstable_partitions:
+            lines.append(f"last stable offset below the high watermark ({len(self.unstable_partitions)}): "
+                         f"{_short(self.unstable_partitions, limit)}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "expected_count": self.expected_count, "seen_count": self.seen_count,
                 "missing": self.missing, "duplicates": self.duplicates, "unexpected": self.unexpected,
-                "key_mismatches": self.key_mismatches, "open_transactions": self.open_transactions}
+                "key_mismatches": self.key_mismatches, "open_transactions": self.open_transactions,
+                "unstable_partitions": self.unstable_partitions}
 
 
 def _short(items: Sequence[str], limit: int) -> str:
@@ -106,11 +111,14 @@ def check(
     *,
     prefix: str = "",
     key_equals_value: bool = False,
+    unstable_partitions: Iterable[str] = (),
 ) -> Verdict:
     """Compare what a read_committed consumer saw with what was written, exactly once each.
 
     `open_transactions` are those the broker listed; only ids under `prefix` count (other
-    applications may share the broker). `key_equals_value` checks the example job's key."""
+    applications may share the broker). `key_equals_value` checks the example job's key.
+    `unstable_partitions` names partitions whose last stable offset is below the high watermark
+    (something still holds them: readers cannot see past it)."""
     wanted = list(expected)
     wanted_set = set(wanted)
     if len(wanted_set) != len(wanted):
@@ -137,6 +145,7 @@ def check(
         f"{t.transactional_id} (producer id {t.producer_id}, epoch {t.producer_epoch}, {t.state})"
         for t in open_transactions if t.transactional_id.startswith(prefix)
     ]
+    verdict.unstable_partitions = list(unstable_partitions)
     return verdict
 
 

@@ -7,8 +7,10 @@
 First it waits (up to --settle-timeout-s) until the broker lists no open transaction under the
 sink's `transactional.id` prefix (KIP-664 ListTransactions through the coordinator's own wire
 client; the coordinator's recovery loop aborts lingering ones), then reads every partition from
-the beginning with `isolation.level=read_committed` up to its end, and hands both to the pure
-checker (`e2e/checker.py`). Prints the verdict (and `--json`) and exits 0 on PASS, 1 on FAIL,
+the beginning with `isolation.level=read_committed` up to its end (the last stable offset:
+librdkafka reports a read_committed partition's end there), asks the broker for each partition's
+last stable offset and high watermark (ListOffsets), and hands all of it to the pure checker
+(`e2e/checker.py`). Prints the verdict (and `--json`) and exits 0 on PASS, 1 on FAIL,
 2 when it could not look (broker unreachable, no listing support).
 """
 
@@ -88,6 +90,20 @@ def open_transactions(bootstrap_servers: str, prefix: str, client_config: dict |
         plane.close()
 
 
+def unstable_partitions(bootstrap_servers: str, topic: str, client_config: dict | None = None) -> list[str]:
+    """Partitions whose last stable offset is below the high watermark, as the broker reports them."""
+    from coordinator.kafka_wire import KafkaWireControlPlane
+
+    plane = KafkaWireControlPlane(request_timeout_ms=10_000, retry_budget_ms=30_000, client_config=client_config)
+    try:
+        rows = plane.partition_stability(KafkaTarget("e2e-verify", bootstrap_servers, 60_000), [topic])
+    finally:
+        plane.close()
+    return [f"{r.topic}[{r.partition}] last stable offset {r.last_stable_offset} < high watermark {r.high_watermark}"
+            + (f" (held by producer id {r.blocking_producer_id})" if r.blocking_producer_id is not None else "")
+            for r in rows if r.last_stable_offset < r.high_watermark]
+
+
 def wait_until_no_open_transactions(bootstrap_servers: str, prefix: str, timeout_s: float) -> list[OpenTransaction]:
     """Poll the listing until it is empty or `timeout_s` passed; returns the last listing."""
     deadline = time.monotonic() + timeout_s
@@ -121,18 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.total_records < 0:
         p.error("--total-records must be >= 0")
 
+    unstable: list[str] = []
     if args.from_dump is not None:
         records, listed = read_dump(args.from_dump)
     else:
         try:
             listed = wait_until_no_open_transactions(args.bootstrap_servers, args.prefix, args.settle_timeout_s)
             records = consume_topic(args.bootstrap_servers, args.topic, timeout_s=args.read_timeout_s)
+            unstable = unstable_partitions(args.bootstrap_servers, args.topic)
         except (ControlPlaneError, LookupError, TimeoutError, RuntimeError) as exc:
             print(f"cannot verify: {exc}", file=sys.stderr)
             return 2
         if args.dump is not None:
             write_dump(args.dump, records, listed)
-    verdict = check(records, expected_range(args.total_records), listed, prefix=args.prefix, key_equals_value=True)
+    verdict = check(records, expected_range(args.total_records), listed, prefix=args.prefix, key_equals_value=True,
+                    unstable_partitions=unstable)
     print(verdict.report())
     if args.json:
         print(json.dumps(verdict.as_dict()))

@@ -119,7 +119,7 @@ class Replica:
     def start(self) -> None:
         sim = self.sim
         plane = ModelControlPlane(sim.model, hook=sim.injector.kafka_hook)
-        c = Coordinator(sim.engine, plane, clock=sim.clock, limits=Limits(max_partitions=64, kafka_parallelism=1))
+        c = Coordinator(sim.engine, plane, clock=sim.clock, limits=sim.limits)
         c._kafka_pool.shutdown(wait=False)
         c._kafka_pool = _SyncPool()  # type: ignore[assignment]
         self.coordinator = c
@@ -196,6 +196,10 @@ class Sim:
         self.topic = "out"
         self.timeout_ms = TIMEOUT_MS
         self.margin_ms = MARGIN_MS
+        # small bounds, so that ids freed from undecided tries leave quarantine within a schedule
+        self.limits = Limits(max_partitions=64, kafka_parallelism=1, lease_max_init_age_ms=3_000,
+                             producer_init_timeout_ms=3_000, producer_request_timeout_ms=1_000,
+                             transactional_id_quarantine_ms=8_000)
         self.small_delay_ms = MARGIN_MS // 10
         self.ckpt = CheckpointLocation(query_id=f"query-{seed}")
         self.client = Client(self)

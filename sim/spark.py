@@ -10,20 +10,25 @@ generation). Spark's task attempt ids restart with each SparkContext (a new driv
 Executors: one task per partition with rows (an empty partition takes no lease and opens no
 transaction); failed tasks are retried up to spark.task.maxFailures; a task may get a
 speculative copy, and the first copy to finish wins; the number of partitions is chosen anew for
-every job, so it changes between attempts and replays. A task leases a transactional id at its
-first row, initialises a transactional producer on it (InitProducerId on the model), produces
-its rows, and pre-commits the model's producer id and epoch; it returns (partition, lease id).
+every job, so it changes between attempts and replays. The driver's begin names the partition
+count and the batch's offsets and gets a lease per partition for its first task try; every other
+try (a retry, a speculative copy) leases its own. A task refuses to initialise a producer on a
+lease older than the coordinator's bound, initialises one on its id (InitProducerId on the
+model), produces its rows, checks its deadline against the commit margin, and returns its
+pre-commit record (lease, producer id, epoch, counts) to the driver, which commits with them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from coordinator.protocol import errors as e
-from coordinator.protocol.model import PartitionResult
-from coordinator.protocol.rules import PrecommitRequest
+from coordinator.protocol.model import Lease, PartitionResult, PrecommitRecord
+from coordinator.protocol.rules import PrecommitRequest, is_first_try
 
 from .faults import ClientGaveUp, DriverCrash, TaskFailure
 from .kafka_model import KafkaError
@@ -33,6 +38,11 @@ if TYPE_CHECKING:
 
 MAX_TASK_FAILURES = 4  # spark.task.maxFailures
 KAFKA_PARTITIONS = 3
+
+
+def offsets_digest(records: list[str]) -> str:
+    """What the driver's begin names: a digest of the batch's planned input (Spark's offsets entry)."""
+    return "sha256:" + hashlib.sha256("\n".join(records).encode()).hexdigest()
 
 
 def batch_input(seed: int, batch_id: int) -> list[str]:
@@ -112,15 +122,19 @@ class Driver:
         gen = self.generation
         assert gen is not None
         self.zombie.batch_id, self.zombie.attempt, self.zombie.lease_ids = batch, None, []
-        r = sim.client.call("begin_checkpoint", lambda c: c.begin_checkpoint(sim.sink, batch, gen, "driver"))
+        n = sim.rng.randint(1, 4)  # the job's partition count, known to the driver before it begins
+        digest = offsets_digest(records)
+        r = sim.client.call("begin_checkpoint", lambda c: c.begin_checkpoint(
+            sim.sink, batch, gen, "driver", partitions=n, offsets_digest=digest))
         sim.trace(f"begin batch {batch}: {r.action} attempt {r.attempt.number if r.attempt else None}")
         if not r.must_write:
             return
         assert r.attempt is not None
         attempt = r.attempt.number
         self.zombie.attempt = attempt
+        self.zombie.lease_ids += [x.id for x in r.pre_leases]
         self.crash_point(f"batch {batch} after begin")
-        results = self.run_job(batch, attempt, records)
+        results = self.run_job(batch, attempt, records, n, {x.partition: x for x in r.pre_leases})
         self.crash_point(f"batch {batch} job done")
         sim.maybe_near_timeout(f"before commit of batch {batch}")
         sim.client.call("commit", lambda c: c.commit(sim.sink, batch, attempt, gen, results, "driver"))
@@ -128,9 +142,9 @@ class Driver:
 
     # --- the job ----------------------------------------------------------------------------
 
-    def run_job(self, batch: int, attempt: int, records: list[str]) -> list[PartitionResult]:
+    def run_job(self, batch: int, attempt: int, records: list[str], n: int,
+                pre_leases: dict[int, Lease]) -> list[PartitionResult]:
         sim = self.sim
-        n = sim.rng.randint(1, 4)
         parts = [[r for i, r in enumerate(records) if i % n == p] for p in range(n)]
         sim.trace(f"job batch {batch} attempt {attempt}: {n} partitions {[len(p) for p in parts]}")
         results = []
@@ -138,10 +152,12 @@ class Driver:
             if not rows:
                 results.append(PartitionResult(p, None))
                 continue
-            results.append(PartitionResult(p, self.run_task_set(batch, attempt, p, rows)))
+            lease_id, record = self.run_task_set(batch, attempt, p, rows, pre_leases.get(p))
+            results.append(PartitionResult(p, lease_id, record))
         return results
 
-    def run_task_set(self, batch: int, attempt: int, partition: int, rows: list[str]) -> int:
+    def run_task_set(self, batch: int, attempt: int, partition: int, rows: list[str],
+                     pre_lease: Lease | None) -> tuple[int, PrecommitRecord]:
         sim = self.sim
         for failure in range(MAX_TASK_FAILURES):
             copies = 1
@@ -149,17 +165,19 @@ class Driver:
                 sim.faults.fired("speculative_task", f"b{batch} p{partition}")
                 copies = 2
             winners = []
-            for _ in range(copies):
+            for copy in range(copies):
                 self.task_attempt_ids += 1
+                first = pre_lease if is_first_try(0, failure + copy) else None
                 try:
-                    winners.append(self.run_task(batch, attempt, partition, self.task_attempt_ids, rows))
+                    winners.append(self.run_task(batch, attempt, partition, self.task_attempt_ids, rows, first))
                 except TaskFailure as exc:
                     sim.trace(f"  task b{batch} p{partition} t{self.task_attempt_ids} failed: {exc}")
             if winners:
                 return sim.rng.choice(winners)  # the first copy to finish wins
         raise JobFailed(f"partition {partition} of batch {batch} failed {MAX_TASK_FAILURES} times")
 
-    def run_task(self, batch: int, attempt: int, partition: int, task_attempt_id: int, rows: list[str]) -> int:
+    def run_task(self, batch: int, attempt: int, partition: int, task_attempt_id: int, rows: list[str],
+                 pre_lease: Lease | None) -> tuple[int, PrecommitRecord]:
         sim = self.sim
         gen = self.generation
         assert gen is not None
@@ -170,17 +188,23 @@ class Driver:
                 sim.faults.fired("executor_crash", where)
                 raise TaskFailure(f"executor lost {where}")
 
-        try:
-            lease = sim.client.call("begin_partition", lambda c: c.begin_partition(
-                sim.sink, batch, attempt, gen, partition, task_attempt_id))
-        except e.ProtocolError as exc:
-            raise TaskFailure(f"begin_partition refused: {exc.reason}") from exc
-        except ClientGaveUp as exc:
-            raise TaskFailure(str(exc)) from exc
-        self.zombie.lease_ids.append(lease.id)
-        sim.trace(f"  task b{batch} p{partition} t{task_attempt_id}: lease {sim.local_lease(lease.id)} "
-                  f"{sim.local(lease.transactional_id)}")
+        if pre_lease is not None:
+            lease = pre_lease
+        else:
+            try:
+                lease = sim.client.call("begin_partition", lambda c: c.begin_partition(
+                    sim.sink, batch, attempt, gen, partition, task_attempt_id))
+            except e.ProtocolError as exc:
+                raise TaskFailure(f"begin_partition refused: {exc.reason}") from exc
+            except ClientGaveUp as exc:
+                raise TaskFailure(str(exc)) from exc
+            self.zombie.lease_ids.append(lease.id)
+        sim.trace(f"  task b{batch} p{partition} t{task_attempt_id}: {'pre-' if pre_lease else ''}lease "
+                  f"{sim.local_lease(lease.id)} {sim.local(lease.transactional_id)}")
         step("after lease")
+        # no InitProducerId on a lease older than the bound (its id may be out of quarantine and re-leased)
+        if sim.clock.now() - lease.leased_at > timedelta(milliseconds=sim.limits.lease_max_init_age_ms):
+            raise TaskFailure("lease too old to start init_transactions")
         try:
             pid, epoch = sim.model.init_producer_id(lease.transactional_id, sim.timeout_ms)
             step("after init_transactions")
@@ -190,17 +214,13 @@ class Driver:
                     step("mid produce")
         except KafkaError as exc:
             raise TaskFailure(f"producer: {exc.code}") from exc
-        sim.maybe_near_timeout(f"task b{batch} p{partition} before pre-commit", task=True)
+        sim.maybe_near_timeout(f"task b{batch} p{partition} before its result", task=True)
         step("after flush")
-        try:
-            sim.client.call("precommit", lambda c: c.precommit(
-                sim.sink, lease.id, gen, PrecommitRequest(pid, epoch, len(rows), sum(len(r) for r in rows))))
-        except e.ProtocolError as exc:
-            raise TaskFailure(f"precommit refused: {exc.reason}") from exc
-        except ClientGaveUp as exc:
-            raise TaskFailure(str(exc)) from exc
-        step("after pre-commit (result lost)")
-        return lease.id
+        # the task's own deadline check (the coordinator's clock stands for the database's)
+        if lease.deadline_at - sim.clock.now() < timedelta(milliseconds=sim.margin_ms):
+            raise TaskFailure("transaction deadline inside the commit margin")
+        step("after the result (result lost)")
+        return lease.id, PrecommitRecord(pid, epoch, len(rows), sum(len(r) for r in rows))
 
 
 def _kafka_partition(record: str) -> int:

@@ -137,8 +137,16 @@ class CoordinatorClient:
     def start_generation(self, query_id: str, run_id: str) -> dict[str, Any]:
         return self.request("POST", f"/v1/sinks/{self.sink}/generations", {"query_id": query_id, "run_id": run_id})
 
-    def begin(self, batch_id: int, generation: int) -> dict[str, Any]:
-        return self.request("POST", f"/v1/sinks/{self.sink}/checkpoints/{batch_id}/begin", {"generation": generation})
+    def begin(self, batch_id: int, generation: int, *, partitions: int | None = None,
+              offsets: str | None = None) -> dict[str, Any]:
+        """With `partitions`, a write answer carries each partition's first-try lease (pre_leases);
+        `offsets` (a digest of Spark's offsets entry) binds the batch to what it reads."""
+        body: dict[str, Any] = {"generation": generation}
+        if partitions is not None:
+            body["partitions"] = partitions
+        if offsets is not None:
+            body["offsets"] = offsets
+        return self.request("POST", f"/v1/sinks/{self.sink}/checkpoints/{batch_id}/begin", body)
 
     def lease(self, batch_id: int, attempt: int, generation: int, partition: int, task_attempt_id: int) -> dict[str, Any]:
         body = {"generation": generation, "partition": partition, "task_attempt_id": task_attempt_id}
@@ -151,10 +159,14 @@ class CoordinatorClient:
         return self.request("POST", f"/v1/sinks/{self.sink}/leases/{lease_id}/precommit", body)
 
     def commit(self, batch_id: int, attempt: int, generation: int, winners: dict[int, int | None],
-               job_ms: int | None = None) -> dict[str, Any]:
-        """`winners`: every partition 0..N-1 -> its winning lease id, None for an empty partition."""
+               job_ms: int | None = None, *, records: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """`winners`: every partition 0..N-1 -> its winning lease id, None for an empty partition.
+        `records`: partition -> the winner's pre-commit record from its task result (producer_id,
+        producer_epoch, records, bytes, write_ms, first_offsets); stored with the decision."""
+        records = records or {}
         body = {"generation": generation, "job_ms": job_ms,
-                "partitions": [{"partition": p, "lease_id": lid} for p, lid in sorted(winners.items())]}
+                "partitions": [{"partition": p, "lease_id": lid, **(records.get(p) or {})}
+                               for p, lid in sorted(winners.items())]}
         return self.request("POST", f"/v1/sinks/{self.sink}/checkpoints/{batch_id}/attempts/{attempt}/commit", body)
 
     def abort(self, batch_id: int, attempt: int, generation: int, reason: str) -> dict[str, Any]:

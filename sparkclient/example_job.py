@@ -1,26 +1,36 @@
-"""Runnable example: Spark's `rate` source -> a transformation -> the exactly-once writer.
+"""Runnable example: a Kafka topic -> Spark's own Kafka source (read_committed) -> the exactly-once writer -> a Kafka topic.
 
-    python -m sparkclient.example_job        # configured by environment variables (or the flags)
+    python -m sparkclient.example_job        # configured by environment variables or the flags below
 
-| variable | default | meaning |
+| variable (flag) | default | meaning |
 | --- | --- | --- |
-| `KAFKA_BOOTSTRAP_SERVERS` | required | the Kafka cluster |
-| `OUTPUT_TOPIC` | `exactly-once-demo` | created (3 partitions, `OUTPUT_TOPIC_PARTITIONS`) if missing |
+| `KAFKA_BOOTSTRAP_SERVERS` | required | the Kafka cluster (input and output) |
+| `INPUT_TOPIC` | `exactly-once-demo-in` | read with `kafka.isolation.level=read_committed` from the earliest offset; created if missing |
+| `INPUT_RECORDS` | `0` | first make the input topic hold records "0".."N-1" (key = value; appends the missing ones, so a re-run or restart adds none); `TOTAL_RECORDS` is an older name |
+| `OUTPUT_TOPIC` | `exactly-once-demo-out` | created (`TOPIC_PARTITIONS`) if missing |
+| `TOPIC_PARTITIONS` | `3` | partitions of a topic the job creates |
 | `COORDINATOR_URL` | required | the coordinator |
 | `COORDINATOR_ADMIN_TOKEN` | | if set, the job registers the sink when missing (idempotent) and uses its writer token |
 | `COORDINATOR_WRITER_TOKEN` | | the sink's writer token (when no admin token is given) |
-| `SINK_NAME` | `demo` | |
-| `TRANSACTIONAL_ID_PREFIX` | `demo-` | used when registering the sink |
+| `CHECKPOINT_LOCATION` | a fresh directory per run | `<tmp>/exactly-once-demo/demo-<UTC time>`; give a used one to continue that query |
+| `SINK_NAME` | from the checkpoint | the checkpoint directory's name (`demo-<UTC time>`; `demo-` put before a name without it) |
+| `TRANSACTIONAL_ID_PREFIX` | the sink name | used when registering the sink |
 | `TRANSACTION_TIMEOUT_MS` | `60000` | used when registering the sink |
-| `CHECKPOINT_LOCATION` | `/tmp/exactly-once-demo-checkpoint` | restart with the same one to continue |
+| `TRIGGER` | `availableNow` | `availableNow`: process what the input holds, then exit; or a processingTime interval (`1 second`): run until Ctrl-C |
+| `MAX_RECORDS_PER_BATCH` | `0` (no limit) | the Kafka source's `maxOffsetsPerTrigger` (more, smaller batches) |
 | `SPARK_MASTER` | `local[2]` | |
-| `ROWS_PER_SECOND` | `100` | the rate source's speed |
-| `TOTAL_RECORDS` | `0` (forever) | keep rows with value < TOTAL_RECORDS; exit 0 once the batch holding TOTAL_RECORDS-1 is committed |
+| `SPARK_JARS` | resolved by Maven | Spark's Kafka connector jars, comma-separated (default: `python -m localkafka classpath spark`) |
 
-Every record has key = value = the rate row's `value` as a decimal string and the provenance
-headers (eos-sink, eos-batch-id, eos-attempt, eos-lease-id). With TOTAL_RECORDS set, the committed
-(read_committed) output is exactly "0" .. "TOTAL_RECORDS-1", each once, whatever was killed when.
-One log line per batch: batch id, action, records, durations.
+A checkpoint location is one query, and one sink (a sink is bound to the query that first wrote it:
+a fresh checkpoint with a used sink is refused by the coordinator's lineage check). So by default
+every run is a new query with a new checkpoint and sink that reads the input from its beginning; the
+first line names the checkpoint, and `--checkpoint-location` with it continues that query where it
+stopped: a run whose checkpoint has nothing new to read says so and exits 0.
+
+Every output record has the input record's key and value and the provenance headers (eos-sink,
+eos-batch-id, eos-attempt, eos-lease-id). One line per batch (id, action, records, durations);
+the last line sums the run up. Exit codes: 0 done (or stopped with Ctrl-C), 1 the query failed,
+2 bad settings or the coordinator refused the sink.
 """
 
 from __future__ import annotations
@@ -28,9 +38,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
-import threading
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from .client import CoordinatorClient, CoordinatorError
@@ -40,33 +52,73 @@ log = logging.getLogger("sparkclient.example_job")
 
 SETTINGS = [  # (flag / env name, default, help)
     ("KAFKA_BOOTSTRAP_SERVERS", None, "Kafka bootstrap servers (required)"),
-    ("OUTPUT_TOPIC", "exactly-once-demo", "output topic"),
-    ("OUTPUT_TOPIC_PARTITIONS", "3", "partitions when the job creates the topic"),
+    ("INPUT_TOPIC", "exactly-once-demo-in", "input topic (read_committed, from the earliest offset)"),
+    ("INPUT_RECORDS", "0", "first make the input topic hold records 0..N-1 (appends the missing ones)"),
+    ("OUTPUT_TOPIC", "exactly-once-demo-out", "output topic"),
+    ("TOPIC_PARTITIONS", "3", "partitions of a topic the job creates"),
     ("COORDINATOR_URL", None, "coordinator base URL (required)"),
     ("COORDINATOR_ADMIN_TOKEN", None, "admin token: register the sink if missing"),
     ("COORDINATOR_WRITER_TOKEN", None, "the sink's writer token"),
-    ("SINK_NAME", "demo", "sink name"),
-    ("TRANSACTIONAL_ID_PREFIX", "demo-", "transactional id prefix (sink registration)"),
+    ("CHECKPOINT_LOCATION", None, "Spark checkpoint location (default: a fresh one per run)"),
+    ("SINK_NAME", None, "sink name (default: the checkpoint directory's name)"),
+    ("TRANSACTIONAL_ID_PREFIX", None, "transactional id prefix (sink registration; default: the sink name)"),
     ("TRANSACTION_TIMEOUT_MS", "60000", "transaction timeout (sink registration)"),
-    ("CHECKPOINT_LOCATION", "/tmp/exactly-once-demo-checkpoint", "Spark checkpoint location"),
+    ("TRIGGER", "availableNow", "availableNow, or a processingTime interval such as '1 second'"),
+    ("MAX_RECORDS_PER_BATCH", "0", "the Kafka source's maxOffsetsPerTrigger (0: no limit)"),
     ("SPARK_MASTER", "local[2]", "Spark master"),
-    ("ROWS_PER_SECOND", "100", "rate source rows per second"),
-    ("TOTAL_RECORDS", "0", "stop after values 0..N-1 are committed (0: run forever)"),
+    ("SPARK_JARS", None, "Spark's Kafka connector jars, comma-separated (default: resolved by Maven)"),
 ]
+
+
+def say(text: str, *, error: bool = False) -> None:
+    print(f"[example_job] {text}", file=sys.stderr if error else sys.stdout, flush=True)
 
 
 def settings(argv: list[str] | None = None) -> dict[str, str | None]:
     parser = argparse.ArgumentParser(prog="python -m sparkclient.example_job", description=__doc__.split("\n")[0])
     for name, default, text in SETTINGS:
         parser.add_argument("--" + name.lower().replace("_", "-"), dest=name, default=os.environ.get(name, default),
-                            help=f"{text} (env {name}, default {default})")
+                            help=f"{text} (env {name})")
     args = vars(parser.parse_args(argv))
+    if args["INPUT_RECORDS"] == "0" and os.environ.get("TOTAL_RECORDS"):  # the name docker-compose uses
+        args["INPUT_RECORDS"] = os.environ["TOTAL_RECORDS"]
     for name in ("KAFKA_BOOTSTRAP_SERVERS", "COORDINATOR_URL"):
         if not args[name]:
             parser.error(f"{name} is required (environment variable or --{name.lower().replace('_', '-')})")
     if not args["COORDINATOR_ADMIN_TOKEN"] and not args["COORDINATOR_WRITER_TOKEN"]:
         parser.error("set COORDINATOR_ADMIN_TOKEN (registers the sink) or COORDINATOR_WRITER_TOKEN")
+    for name in ("INPUT_RECORDS", "TOPIC_PARTITIONS", "TRANSACTION_TIMEOUT_MS", "MAX_RECORDS_PER_BATCH"):
+        if not str(args[name]).isdigit():
+            parser.error(f"{name} must be a whole number, got {args[name]!r}")
+    if not args["CHECKPOINT_LOCATION"]:
+        run = "demo-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        args["CHECKPOINT_LOCATION"] = str(Path(tempfile.gettempdir()) / "exactly-once-demo" / run)
+    if not args["SINK_NAME"]:
+        args["SINK_NAME"] = sink_name_for(str(args["CHECKPOINT_LOCATION"]))
+    args["TRANSACTIONAL_ID_PREFIX"] = args["TRANSACTIONAL_ID_PREFIX"] or args["SINK_NAME"]
     return args
+
+
+def sink_name_for(checkpoint_location: str) -> str:
+    """The checkpoint directory's name as a sink name (`demo-` put before it unless it starts so)."""
+    base = re.sub(r"[^A-Za-z0-9._-]", "-", checkpoint_location.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "demo"
+    return (base if base.startswith("demo") else f"demo-{base}")[:100]
+
+
+def checkpoint_state(location: str) -> tuple[str | None, int | None]:
+    """(query id, last batch in Spark's commit log) of a used local checkpoint; (None, None) if it
+    is fresh or not a local path."""
+    path = Path(location[len("file:"):] if location.startswith("file:") else location)
+    if "://" in location or not (path / "metadata").is_file():
+        return None, None
+    import json
+
+    try:
+        query_id = str(json.loads((path / "metadata").read_text().splitlines()[0])["id"])
+    except (IndexError, ValueError, KeyError):
+        query_id = "?"
+    commits = [int(p.name) for p in (path / "commits").glob("*") if p.name.isdigit()] if (path / "commits").is_dir() else []
+    return query_id, max(commits) if commits else None
 
 
 def ensure_topic(bootstrap: str, topic: str, partitions: int) -> None:
@@ -84,6 +136,27 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int) -> None:
             raise
 
 
+def fill_input(bootstrap: str, topic: str, count: int) -> tuple[int, int]:
+    """Make the topic hold records "0".."count-1": append those after the ones it has (its end
+    offsets summed: the demo input is written by this plain producer only). Returns (had, count)."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "example-job-count", "log_level": 3})
+    try:
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        had = sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in partitions)
+    finally:
+        consumer.close()
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 20})
+    failed: list[str] = []
+    for n in range(had, count):
+        producer.produce(topic, key=str(n), value=str(n), on_delivery=lambda err, _m: err and failed.append(str(err)))
+        producer.poll(0)
+    if producer.flush(60) or failed:
+        raise RuntimeError(f"producing the input failed: {failed[:3]}")
+    return had, count
+
+
 def writer_token(s: dict[str, Any]) -> str:
     if not s["COORDINATOR_ADMIN_TOKEN"]:
         return str(s["COORDINATOR_WRITER_TOKEN"])
@@ -93,78 +166,102 @@ def writer_token(s: dict[str, Any]) -> str:
     return str(registered["writer_token"])
 
 
+def connector_jars(s: dict[str, Any]) -> str:
+    if s["SPARK_JARS"]:
+        return str(s["SPARK_JARS"])
+    from localkafka.maven import spark_kafka_jars
+
+    return ",".join(spark_kafka_jars())
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
-    logging.getLogger("py4j").setLevel(logging.WARNING)
+    for noisy in ("py4j", "httpx"):  # a line per HTTP call drowns the batch lines
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     s = settings(argv)
-    total = int(s["TOTAL_RECORDS"] or 0)
-    ensure_topic(s["KAFKA_BOOTSTRAP_SERVERS"], s["OUTPUT_TOPIC"], int(s["OUTPUT_TOPIC_PARTITIONS"]))
+    bootstrap, checkpoint = str(s["KAFKA_BOOTSTRAP_SERVERS"]), str(s["CHECKPOINT_LOCATION"])
+    query_id, last_batch = checkpoint_state(checkpoint)
+    if query_id is None:
+        say(f"checkpoint {checkpoint} (new query; to continue it later: --checkpoint-location {checkpoint})")
+    else:
+        say(f"reusing checkpoint {checkpoint} of query {query_id} (last batch in Spark's commit log: "
+            f"{last_batch}): continuing where it stopped; only records after its offsets are read")
+    partitions = int(s["TOPIC_PARTITIONS"])
+    ensure_topic(bootstrap, s["INPUT_TOPIC"], partitions)
+    ensure_topic(bootstrap, s["OUTPUT_TOPIC"], partitions)
+    if int(s["INPUT_RECORDS"]):
+        had, count = fill_input(bootstrap, s["INPUT_TOPIC"], int(s["INPUT_RECORDS"]))
+        say(f"input {s['INPUT_TOPIC']}: appended records {had}..{count - 1}" if had < count
+            else f"input {s['INPUT_TOPIC']} holds {had} records already")
     try:
         token = writer_token(s)
     except CoordinatorError as exc:
-        log.error("%s", exc)
+        say(str(exc), error=True)
         return 2
+    jars = connector_jars(s)
 
-    from pyspark.sql import SparkSession
     from pyspark.errors import StreamingQueryException
-    from pyspark.sql import functions as F
+    from pyspark.sql import SparkSession
 
     # executors' Python workers need this package and confluent-kafka: in local mode, use this interpreter
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     spark = (SparkSession.builder.master(s["SPARK_MASTER"]).appName("exactly-once-demo")
-             .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "4").getOrCreate())
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.sql.shuffle.partitions", "4")
+             .config("spark.jars", jars).getOrCreate())
     spark.sparkContext.setLogLevel("WARN")
-    done = threading.Event()
+    reports: list[BatchReport] = []
 
     def on_batch(report: BatchReport) -> None:
-        print(f"[example_job] {report.line()}", flush=True)
+        reports.append(report)
+        say(report.line())
 
     writer = ExactlyOnceKafkaWriter({
-        "kafka.bootstrap.servers": s["KAFKA_BOOTSTRAP_SERVERS"],
+        "kafka.bootstrap.servers": bootstrap,
         "topic": s["OUTPUT_TOPIC"],
         "coordinator.url": s["COORDINATOR_URL"],
         "coordinator.token": token,
         "coordinator.sink": s["SINK_NAME"],
-        "checkpointLocation": s["CHECKPOINT_LOCATION"],
+        "checkpointLocation": checkpoint,
         "provenance.headers": "true",
     }, on_batch=on_batch)
 
-    def write_batch(df: Any, batch_id: int) -> None:
-        writer(df, batch_id)  # raises if the batch could not be committed: the query stops
-        if total and df.filter(F.col("value") == str(total - 1)).limit(1).count():
-            done.set()  # the batch holding the last value is committed (or was, before a restart)
-
-    rows = spark.readStream.format("rate").option("rowsPerSecond", int(s["ROWS_PER_SECOND"])).load()
-    if total:
-        rows = rows.filter(F.col("value") < total)
-    out = rows.select(F.col("value").cast("string").alias("key"), F.col("value").cast("string").alias("value"))
-    query = (out.writeStream.foreachBatch(write_batch).option("checkpointLocation", s["CHECKPOINT_LOCATION"])
-             .trigger(processingTime="1 second").start())
-    print(f"[example_job] query {query.id} run {query.runId} writing to {s['OUTPUT_TOPIC']} through sink "
-          f"{s['SINK_NAME']}", flush=True)
+    source = (spark.readStream.format("kafka").option("kafka.bootstrap.servers", bootstrap)
+              .option("subscribe", s["INPUT_TOPIC"]).option("startingOffsets", "earliest")
+              .option("kafka.isolation.level", "read_committed").option("failOnDataLoss", "true"))
+    if int(s["MAX_RECORDS_PER_BATCH"]):
+        source = source.option("maxOffsetsPerTrigger", int(s["MAX_RECORDS_PER_BATCH"]))
+    rows = source.load().select("key", "value")
+    stream = rows.writeStream.foreachBatch(writer).option("checkpointLocation", checkpoint)
+    trigger = str(s["TRIGGER"])
+    stream = stream.trigger(availableNow=True) if trigger == "availableNow" else stream.trigger(processingTime=trigger)
+    query = stream.start()
+    say(f"query {query.id} run {query.runId}: {s['INPUT_TOPIC']} -> {s['OUTPUT_TOPIC']} through sink "
+        f"{s['SINK_NAME']} (trigger {trigger})")
     try:
-        while not done.is_set():
-            if query.awaitTermination(0.5):
-                break  # stopped from outside
+        query.awaitTermination()
     except StreamingQueryException as exc:
-        print(f"[example_job] the query failed: {exc}", file=sys.stderr, flush=True)
+        say(f"the query failed: {exc}", error=True)
         return 1
-    else:
-        if not done.is_set():
-            print("[example_job] the query stopped before all records were committed", file=sys.stderr, flush=True)
-            return 1
-        for _ in range(100):  # stop between triggers, not in the middle of the next batch
-            if not query.status["isTriggerActive"]:
-                break
-            time.sleep(0.05)
-        query.stop()  # before the last line: a trigger may have started since, and may log its batch
-        print(f"[example_job] all {total} records committed", flush=True)
+    except KeyboardInterrupt:
+        say("interrupted: stopping the query (a batch in flight is replayed on the next run)")
         return 0
     finally:
         if query.isActive:
             query.stop()
         writer.close()
         spark.stop()
+    committed = [r for r in reports if r.action == "committed"]
+    if not reports:
+        say(f"nothing left to do: {s['INPUT_TOPIC']} has no record after this checkpoint's offsets "
+            f"(checkpoint {checkpoint})")
+    else:
+        empty = sum(r.action == "empty" for r in reports)
+        skipped = sum(r.action in ("skipped", "resumed") for r in reports)
+        say(f"done: {len(reports)} batches ({len(committed)} committed, {empty} empty, {skipped} already "
+            f"committed before), {sum(r.records for r in committed)} records written to {s['OUTPUT_TOPIC']}; "
+            f"the input is caught up (checkpoint {checkpoint})")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """Executor side: one Spark task attempt writes one partition of a batch in one Kafka transaction.
 
-Per task attempt (DESIGN §3 steps 3-4): an empty partition takes no lease and opens no transaction;
-otherwise lease a transactional id for this task attempt, `init_transactions`, `begin_transaction`,
-produce every row, `flush`, check every delivery report (any failure fails the task: a transaction
-that lost a record is never pre-committed), read producer id and epoch from librdkafka's
-statistics (`eos.producer_id`, `eos.producer_epoch`: the only place it exposes them) as reported
-during the transaction, pre-commit,
-and release the producer WITHOUT ending the transaction (not `close()`, which aborts it): the
-coordinator commits the winner by resume. The task's
-result names its lease; the driver commits with the results Spark accepted.
+Per task attempt (DESIGN §3 with its Revisions): an empty partition takes no lease and opens no
+transaction. Otherwise the partition's first try (stage attempt 0, task attempt 0) uses the lease
+begin took for it, and any other try (a retry, a speculative copy, a stage retry) leases its own
+id, so no two tries share one. The task refuses to start `init_transactions` on a lease older than
+the coordinator's bound (an id freed from a stalled try is reused only after a quarantine longer
+than that bound plus the init timeouts), then `init_transactions`, `begin_transaction`, produce
+every row, `flush`, check every delivery report (any failure fails the task: a transaction that
+lost a record is never committed), read producer id and epoch from librdkafka's statistics
+(`eos.producer_id`, `eos.producer_epoch`: the only place it exposes them), check that the
+transaction is not already inside the commit margin of its deadline, and release the producer
+WITHOUT ending the transaction (not `close()`, which aborts it). The task makes no pre-commit
+call: its result carries the pre-commit record (lease, producer id, epoch, counts, first offset
+written per topic-partition) to the driver, which sends the accepted ones with the commit.
 """
 
 from __future__ import annotations
@@ -45,6 +49,16 @@ class DeliveryFailed(RuntimeError):
     """A record of the transaction was not acknowledged; the task fails and Spark retries it."""
 
 
+class LeaseTooOld(RuntimeError):
+    """The lease is older than the coordinator's bound for starting init_transactions (its id may
+    already be in quarantine and leased again after it); the task fails, the retry leases anew."""
+
+
+class DeadlineTooClose(RuntimeError):
+    """The transaction is already inside the commit margin of its deadline: the commit gate would
+    refuse it, so the task fails and Spark retries it with a fresh transaction."""
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """What every task of one batch attempt needs (shipped to executors in the task closure)."""
@@ -63,6 +77,14 @@ class TaskSpec:
     columns: tuple[str, ...]
     provenance_headers: bool
     fault_hook: FaultHook | None = field(default=None, compare=False)
+    # from begin: partition -> the first try's lease, when the driver received them (its wall clock),
+    # and the rules a task keeps (the commit margin, the lease age bound, the producer's timeouts)
+    pre_leases: dict[int, dict[str, Any]] = field(default_factory=dict)
+    leases_received_at: float = 0.0
+    commit_margin_ms: int = 0
+    max_lease_init_age_ms: int | None = None
+    producer_init_timeout_ms: int = int(KAFKA_CALL_TIMEOUT_S * 1000)
+    producer_request_timeout_ms: int | None = None
 
     def client(self) -> CoordinatorClient:
         """This process's client for the sink (kept across tasks: a reused Python worker keeps its
@@ -104,6 +126,40 @@ class TaskResult:
     bytes: int = 0
     write_ms: int = 0
     transactional_id: str | None = None
+    producer_id: int | None = None
+    producer_epoch: int | None = None
+    first_offsets: list[list[Any]] | None = None  # [[topic, partition, first offset written], ...]
+
+    def precommit_record(self) -> dict[str, Any]:
+        """What the commit carries for this winner."""
+        return {"producer_id": self.producer_id, "producer_epoch": self.producer_epoch, "records": self.records,
+                "bytes": self.bytes, "write_ms": self.write_ms, "first_offsets": self.first_offsets}
+
+
+def is_first_try(stage_attempt: int, task_attempt: int) -> bool:
+    """Only a partition's first try uses the lease begin took for it (coordinator/protocol/rules.py
+    says the same; the client does not import the coordinator)."""
+    return stage_attempt == 0 and task_attempt == 0
+
+
+def lease_age_ms(lease: dict[str, Any], now: float) -> int:
+    """The lease's age by its answer (the database's clock) plus the time since it was received."""
+    return int(lease.get("age_ms") or 0) + max(0, int((now - lease["received_at"]) * 1000))
+
+
+def check_lease_young_enough(lease: dict[str, Any], max_age_ms: int | None, now: float) -> None:
+    if max_age_ms is not None and lease_age_ms(lease, now) > max_age_ms:
+        raise LeaseTooOld(f"lease {lease['lease_id']} ({lease['transactional_id']}) is {lease_age_ms(lease, now)} ms "
+                          f"old, above the {max_age_ms} ms bound for starting init_transactions; the task fails and "
+                          "its retry leases a fresh id")
+
+
+def check_deadline_outside_margin(lease: dict[str, Any], margin_ms: int, now: float) -> None:
+    left = int(lease["transaction_timeout_ms"]) - lease_age_ms(lease, now)
+    if left < margin_ms:
+        raise DeadlineTooClose(f"lease {lease['lease_id']}'s transaction has {left} ms left before the broker may "
+                               f"abort it, below the commit margin of {margin_ms} ms; the task fails so Spark "
+                               "retries it with a fresh transaction")
 
 
 def write_partition(spec: TaskSpec, partition: int, rows: Iterable[Any]) -> Iterator[TaskResult]:
@@ -113,16 +169,21 @@ def write_partition(spec: TaskSpec, partition: int, rows: Iterable[Any]) -> Iter
     ctx = TaskContext.get()
     task_attempt_id = ctx.taskAttemptId() if ctx else 0
     attempt_number = ctx.attemptNumber() if ctx else 0
+    stage_attempt = ctx.stageAttemptNumber() if ctx else 0
     rows = iter(rows)
     first = next(rows, None)
     if first is None:
         yield TaskResult(partition, None, task_attempt_id)
         return
     hook = _hook(spec, partition, attempt_number)
-    client = spec.client()
-    lease = client.lease(spec.batch_id, spec.attempt, spec.generation, partition, task_attempt_id)
+    pre_lease = spec.pre_leases.get(partition) if is_first_try(stage_attempt, attempt_number) else None
+    if pre_lease is not None:
+        lease = {**pre_lease, "received_at": spec.leases_received_at}
+    else:
+        lease = spec.client().lease(spec.batch_id, spec.attempt, spec.generation, partition, task_attempt_id)
+        lease["received_at"] = time.time()
     hook("after_lease", lease=lease)
-    result = _write_transaction(spec, partition, task_attempt_id, lease, chain([first], rows), client, hook)
+    result = _write_transaction(spec, partition, task_attempt_id, lease, chain([first], rows), hook)
     hook("after_precommit", result=result)
     yield result
 
@@ -135,13 +196,17 @@ def _hook(spec: TaskSpec, partition: int, attempt_number: int) -> Callable[..., 
 
 
 def _write_transaction(spec: TaskSpec, partition: int, task_attempt_id: int, lease: dict[str, Any],
-                       rows: Iterator[Any], client: CoordinatorClient, hook: Callable[..., None]) -> TaskResult:
+                       rows: Iterator[Any], hook: Callable[..., None]) -> TaskResult:
     from confluent_kafka import Producer
 
     stats = _EosStats()
+    # no InitProducerId on an old lease: its id may be past its quarantine and leased again
+    check_lease_young_enough(lease, spec.max_lease_init_age_ms, time.time())
+    timeouts = {"socket.timeout.ms": spec.producer_request_timeout_ms} if spec.producer_request_timeout_ms else {}
 
     producer = Producer({
         **spec.producer_config,
+        **timeouts,
         "bootstrap.servers": spec.bootstrap_servers,
         "transactional.id": lease["transactional_id"],
         "transaction.timeout.ms": lease["transaction_timeout_ms"],  # the sink's: the commit gate's deadline
@@ -152,7 +217,7 @@ def _write_transaction(spec: TaskSpec, partition: int, task_attempt_id: int, lea
     })
     try:
         started = time.monotonic()
-        producer.init_transactions(KAFKA_CALL_TIMEOUT_S)
+        producer.init_transactions(spec.producer_init_timeout_ms / 1000)
         producer.begin_transaction()
         stats.transaction_begun()
         records, size, failures = _produce_rows(spec, lease, producer, rows)
@@ -164,8 +229,8 @@ def _write_transaction(spec: TaskSpec, partition: int, task_attempt_id: int, lea
                 "Spark retries it (this transaction is never committed)")
         write_ms = int((time.monotonic() - started) * 1000)
         producer_id, producer_epoch = _producer_id_and_epoch(producer, stats, spec, partition)
+        check_deadline_outside_margin(lease, spec.commit_margin_ms, time.time())
         hook("before_precommit", lease=lease)
-        client.precommit(lease["lease_id"], spec.generation, producer_id, producer_epoch, records, size, write_ms)
     except BaseException:
         # A failed task attempt is never a winner: end its transaction now rather than leave it to
         # the coordinator (close() would abort it too; abort_transaction first bounds the wait).
@@ -180,7 +245,9 @@ def _write_transaction(spec: TaskSpec, partition: int, task_attempt_id: int, lea
     # the last reference instead (the handle's dealloc destroys librdkafka's instance and its threads
     # without ending the transaction).
     del producer
-    return TaskResult(partition, lease["lease_id"], task_attempt_id, records, size, write_ms, lease["transactional_id"])
+    first_offsets = [[t, p, o] for (t, p), o in sorted(failures["first_offsets"].items())]
+    return TaskResult(partition, lease["lease_id"], task_attempt_id, records, size, write_ms, lease["transactional_id"],
+                      producer_id, producer_epoch, first_offsets)
 
 
 def _produce_rows(spec: TaskSpec, lease: dict[str, Any], producer: Any, rows: Iterator[Any]) -> tuple[int, int, dict[str, Any]]:
@@ -196,11 +263,16 @@ def _produce_rows(spec: TaskSpec, lease: dict[str, Any], producer: Any, rows: It
         (HEADER_ATTEMPT, str(spec.attempt).encode()),
         (HEADER_LEASE, str(lease["lease_id"]).encode()),
     ] if spec.provenance_headers else None
-    outcome: dict[str, Any] = {"delivered": 0, "errors": []}
+    first_offsets: dict[tuple[str, int], int] = {}
+    outcome: dict[str, Any] = {"delivered": 0, "errors": [], "first_offsets": first_offsets}
 
-    def on_delivery(err: Any, _msg: Any) -> None:
+    def on_delivery(err: Any, msg: Any) -> None:
         if err is None:
             outcome["delivered"] += 1
+            tp = (msg.topic(), msg.partition())
+            offset = msg.offset()
+            if offset is not None and offset >= 0 and (tp not in first_offsets or offset < first_offsets[tp]):
+                first_offsets[tp] = offset
         else:
             outcome["errors"].append(str(err))
 

@@ -13,6 +13,7 @@
 | `coordinator.request.timeout.ms` | no (30000) | per HTTP request |
 | `coordinator.retry.budget.ms` | no (120000) | total retry time of one call (connection errors, 5xx) |
 | `provenance.headers` | no (false) | add `eos-sink`, `eos-batch-id`, `eos-attempt`, `eos-lease-id` headers |
+| `skip.empty.batches` | no (true) | a batch with no row asks nothing of the coordinator (costs a Spark job that stops at the first row); false: it is begun and committed like any other |
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class WriterOptions:
     request_timeout_ms: int = 30_000
     retry_budget_ms: int = 120_000
     provenance_headers: bool = False
+    skip_empty_batches: bool = True
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> WriterOptions:
@@ -81,6 +83,13 @@ class WriterOptions:
                 raise WriterOptionError(f"option {name!r} must be positive, got {number}")
             return number
 
+        def boolean(name: str, default: bool) -> bool:
+            raw = opts.pop(name, default)
+            value = raw if isinstance(raw, bool) else _BOOLEAN.get(str(raw).lower())
+            if value is None:
+                raise WriterOptionError(f"option {name!r} must be true or false, got {raw!r}")
+            return value
+
         bootstrap = required("kafka.bootstrap.servers")
         url = required("coordinator.url")
         if not url.lower().startswith(("http://", "https://")):
@@ -92,10 +101,8 @@ class WriterOptions:
         timeout = integer("transaction.timeout.ms", None)
         request_timeout = integer("coordinator.request.timeout.ms", 30_000)
         budget = integer("coordinator.retry.budget.ms", 120_000)
-        provenance_raw = opts.pop("provenance.headers", False)
-        provenance = _BOOLEAN.get(str(provenance_raw).lower()) if not isinstance(provenance_raw, bool) else provenance_raw
-        if provenance is None:
-            raise WriterOptionError(f"option 'provenance.headers' must be true or false, got {provenance_raw!r}")
+        provenance = boolean("provenance.headers", False)
+        skip_empty = boolean("skip.empty.batches", True)
 
         producer = dict(PRODUCER_DEFAULTS)
         for name in list(opts):
@@ -110,11 +117,12 @@ class WriterOptions:
         if opts:
             known = "kafka.bootstrap.servers, topic, kafka.*, coordinator.url, coordinator.token, coordinator.sink, " \
                     "checkpointLocation, transaction.timeout.ms, coordinator.request.timeout.ms, " \
-                    "coordinator.retry.budget.ms, provenance.headers"
+                    "coordinator.retry.budget.ms, provenance.headers, skip.empty.batches"
             raise WriterOptionError(f"unknown option(s) {sorted(opts)}; known options: {known}")
         return cls(
             bootstrap_servers=bootstrap, coordinator_url=url, coordinator_token=token, sink=sink,
             checkpoint_location=checkpoint, topic=str(topic) if topic else None, producer_config=producer,
             transaction_timeout_ms=timeout, request_timeout_ms=request_timeout or 30_000,
-            retry_budget_ms=budget or 120_000, provenance_headers=bool(provenance),
+            retry_budget_ms=budget or 120_000, provenance_headers=provenance,
+            skip_empty_batches=skip_empty,
         )

@@ -9,15 +9,10 @@ ignored, as by Spark's Kafka sink. A row whose `value` is null is written as a n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pyspark.sql.types import (
-    ArrayType,
-    BinaryType,
-    DataType,
-    IntegerType,
-    StringType,
-    StructType,
-)
+if TYPE_CHECKING:  # pyspark comes with Spark (or the [spark] extra), not with `pip install .`
+    from pyspark.sql.types import DataType, StructType
 
 KAFKA_COLUMNS = ("key", "value", "topic", "partition", "headers")
 _EXPECTED = {
@@ -44,6 +39,8 @@ class KafkaColumns:
 
 
 def _headers_ok(t: DataType) -> bool:
+    from pyspark.sql.types import ArrayType, BinaryType, StringType, StructType
+
     if not isinstance(t, ArrayType) or not isinstance(t.elementType, StructType):
         return False
     fields = {f.name: f.dataType for f in t.elementType.fields}
@@ -52,6 +49,8 @@ def _headers_ok(t: DataType) -> bool:
 
 
 def _type_ok(name: str, t: DataType) -> bool:
+    from pyspark.sql.types import BinaryType, IntegerType, StringType
+
     if name in ("key", "value"):
         return isinstance(t, (StringType, BinaryType))
     if name == "topic":

@@ -5,15 +5,17 @@
 
 Per batch (DESIGN §3): check the schema (before anything is written); on the first batch of a run,
 read the lineage (Spark's query id in the checkpoint location's `metadata` file) and start a
-generation; `begin` the checkpoint (skip a batch already committed, finishing a decided commit
-first); run the write job over the executors (one task per partition, sparkclient/executor.py);
-take the winner of each partition from the task results Spark accepted; commit. A refused commit
-or a failed job raises, so the query stops and Spark replays the batch when it is restarted.
+generation; a batch with no row ends there (no transaction, no checkpoint: a replay of it is
+empty too); `begin` the checkpoint (skip a batch already committed, finishing a decided commit
+first); run the write job over the executors (one task per partition, sparkclient/executor.py;
+classic PySpark or Spark Connect, sparkclient/jobs.py); take the winner of each partition from
+the task results Spark accepted; commit. A refused commit or a failed job raises, so the query
+stops and Spark replays the batch when it is restarted.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import logging
 import time
 import uuid
@@ -22,19 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .client import CoordinatorClient, CoordinatorError
-from .executor import FaultHook, TaskResult, TaskSpec, write_partition
+from .executor import KAFKA_CALL_TIMEOUT_S, FaultHook, TaskResult, TaskSpec
+from .jobs import LineageError, batch_is_empty, current_run_id, query_identity, write_job
 from .options import WriterOptionError, WriterOptions
 from .schema import check_schema
 
 log = logging.getLogger(__name__)
 
-# local properties Spark sets on the thread that runs foreachBatch
-QUERY_ID_PROPERTY = "sql.streaming.queryId"
-RUN_ID_PROPERTY = "spark.jobGroup.id"  # StreamExecution runs every batch in a job group named by its run id
-
-
-class LineageError(RuntimeError):
-    """The checkpoint location does not belong to the running query, or has no metadata."""
+__all__ = ["BatchReport", "ExactlyOnceKafkaWriter", "LineageError", "winners_of"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +39,8 @@ class BatchReport:
     """What one foreachBatch call did, with its figures (also logged, one line per batch)."""
 
     batch_id: int
-    action: str  # "committed", "skipped" (already committed), "resumed" (a decided commit finished, then skipped)
+    action: str  # "committed", "skipped" (already committed), "resumed" (a decided commit finished, then
+    # skipped), "empty" (no row: nothing asked of the coordinator beyond the run's generation)
     attempt: int | None
     partitions: int = 0
     records: int = 0
@@ -72,6 +70,7 @@ class ExactlyOnceKafkaWriter:
         self.options = WriterOptions.parse(options)
         self.on_batch = on_batch
         self.fault_hook = fault_hook
+        self._query_id: str | None = None
         self._run_id: str | None = None
         self._generation: int | None = None
         self._fallback_run_id = str(uuid.uuid4())  # if Spark does not say (not seen with Spark 4.x)
@@ -86,7 +85,16 @@ class ExactlyOnceKafkaWriter:
         columns = check_schema(df.schema, topic_option=o.topic)  # before anything is written
         client = self._driver_client()
         generation = self._ensure_generation(df)
-        begun = client.begin(batch_id, generation)
+        if o.skip_empty_batches and batch_is_empty(df):
+            self._report(BatchReport(batch_id, "empty", None, total_ms=_ms_since(started)))
+            return
+        job = write_job(df.select(*columns.columns))
+        # the partition count, when known before the job runs (classic), gets first tries pre-leased
+        # ids; on Spark Connect it is known only after, so every task leases its own
+        partitions = job.partitions
+        offsets = read_offsets_digest(df.sparkSession, o.checkpoint_location, batch_id)
+        begun = client.begin(batch_id, generation, partitions=partitions, offsets=offsets)
+        received_at = time.time()  # the pre-leases' age is measured from here (plus their age when answered)
         if begun.get("action") not in ("write", "skip") or (begun["action"] == "write" and begun.get("attempt") is None):
             raise _unexpected("begin", batch_id, f"action {begun.get('action')!r} (attempt {begun.get('attempt')})",
                               "action 'write' with an attempt, or 'skip'")
@@ -102,10 +110,17 @@ class ExactlyOnceKafkaWriter:
             attempt=attempt, generation=generation, bootstrap_servers=o.bootstrap_servers,
             producer_config=o.producer_config, topic=o.topic, columns=columns.columns,
             provenance_headers=o.provenance_headers, fault_hook=self.fault_hook,
+            pre_leases={int(x["partition"]): x for x in begun.get("pre_leases", [])},
+            leases_received_at=received_at,
+            commit_margin_ms=int(begun.get("commit_margin_ms") or 0),
+            max_lease_init_age_ms=begun.get("max_lease_init_age_ms"),
+            producer_init_timeout_ms=int(begun.get("producer_init_timeout_ms") or KAFKA_CALL_TIMEOUT_S * 1000),
+            producer_request_timeout_ms=begun.get("producer_request_timeout_ms"),
         )
         job_started = time.monotonic()
         try:
-            results, partitions = _run_write_job(df.select(*columns.columns), spec)
+            results = job.run(spec)
+            partitions = job.partitions if job.partitions is not None else len(results)
         except BaseException as exc:
             # the job failed (a task exhausted its retries, or the query is stopping): end this
             # attempt's transactions now rather than wait for the next begin or the recovery loop
@@ -116,10 +131,13 @@ class ExactlyOnceKafkaWriter:
                             abort_error)
             raise
         job_ms = _ms_since(job_started)
-        winners = winners_of(results, partitions)
+        accepted = accepted_results(results, partitions)
+        winners = {p: r.lease_id for p, r in accepted.items()}
         self._hook("before_commit", batch_id=batch_id, attempt=attempt, generation=generation, winners=winners)
         commit_started = time.monotonic()
-        answer = client.commit(batch_id, attempt, generation, winners, job_ms)  # a refusal raises: Spark replays
+        # the winners' pre-commit records travel with the commit (stored with the decision); a refusal raises
+        answer = client.commit(batch_id, attempt, generation, winners, job_ms,
+                               records={p: r.precommit_record() for p, r in accepted.items() if r.lease_id is not None})
         if answer.get("state") != "COMMITTED" or answer.get("attempt") != attempt:
             raise _unexpected("commit", batch_id, f"state {answer.get('state')!r} for attempt {answer.get('attempt')}",
                               f"state 'COMMITTED' for attempt {attempt}")
@@ -131,10 +149,10 @@ class ExactlyOnceKafkaWriter:
         for warning in answer.get("warnings", []):
             log.warning("batch %d: %s", batch_id, warning)
         self._hook("after_commit", batch_id=batch_id, attempt=attempt, generation=generation, winners=winners)
-        accepted = [r for r in results if r.lease_id is not None]
+        written = [r for r in accepted.values() if r.lease_id is not None]
         self._report(BatchReport(
-            batch_id, "committed", attempt, partitions, sum(r.records for r in accepted),
-            sum(r.bytes for r in accepted), job_ms, commit_ms, _ms_since(started), winners,
+            batch_id, "committed", attempt, partitions, sum(r.records for r in written),
+            sum(r.bytes for r in written), job_ms, commit_ms, _ms_since(started), winners,
         ))
 
     # --- driver helpers -----------------------------------------------------------------------
@@ -158,20 +176,14 @@ class ExactlyOnceKafkaWriter:
 
     def _ensure_generation(self, df: Any) -> int:
         """A generation per run of the query: the first batch of a run starts one, fencing every
-        older driver. Spark runs each batch under a job group named by the run id (new at every
-        start of the query), so a query restarted in the same process starts a new generation."""
-        sc = df.sparkSession.sparkContext
-        run_id = sc.getLocalProperty(RUN_ID_PROPERTY) or self._fallback_run_id
+        older driver. The run id is new at every start of the query (sparkclient/jobs.py says
+        where it comes from), so a query restarted in the same process starts a new generation."""
+        run_id = current_run_id(df, self._query_id, self._fallback_run_id)
         if self._generation is not None and run_id == self._run_id:
             return self._generation
-        query_id = read_query_id(df.sparkSession, self.options.checkpoint_location)
-        running_query = sc.getLocalProperty(QUERY_ID_PROPERTY)
-        if running_query and running_query != query_id:
-            raise LineageError(
-                f"option checkpointLocation={self.options.checkpoint_location!r} holds query id {query_id}, but the "
-                f"running query is {running_query}: give the writer the same checkpointLocation as the query")
+        query_id, run_id = query_identity(df, self.options.checkpoint_location, self._fallback_run_id)
         answer = self._driver_client().start_generation(query_id, run_id)
-        self._generation, self._run_id = int(answer["generation"]), run_id
+        self._generation, self._query_id, self._run_id = int(answer["generation"]), query_id, run_id
         log.info("sink %s: generation %d for query %s run %s (older transactions aborted: %d, pending: %d)",
                  self.options.sink, self._generation, query_id, run_id, len(answer["aborted"]),
                  len(answer["abort_pending"]))
@@ -192,49 +204,43 @@ class ExactlyOnceKafkaWriter:
             self._client = None
 
 
-def _run_write_job(df: Any, spec: TaskSpec) -> tuple[list[TaskResult], int]:
-    """One task per partition; `collect` returns exactly one result per partition: the one of the
-    task attempt Spark accepted (a retried or speculative copy's result is discarded)."""
-    rdd = df.rdd.mapPartitionsWithIndex(lambda index, rows: write_partition(spec, index, rows))
-    partitions = rdd.getNumPartitions()
-    if partitions == 0:
-        return [], 0
-    return rdd.collect(), partitions
+def accepted_results(results: list[TaskResult], partitions: int) -> dict[int, TaskResult]:
+    """Partition -> the task result Spark accepted, for every partition 0..N-1."""
+    accepted: dict[int, TaskResult] = {}
+    for r in results:
+        if r.partition in accepted:
+            raise RuntimeError(f"two accepted results for partition {r.partition}: {accepted[r.partition].lease_id} "
+                               f"and {r.lease_id}")
+        accepted[r.partition] = r
+    missing = [p for p in range(partitions) if p not in accepted]
+    if missing:
+        raise RuntimeError(f"no task result for partitions {missing} of {partitions}")
+    return accepted
 
 
 def winners_of(results: list[TaskResult], partitions: int) -> dict[int, int | None]:
     """Partition -> winning lease id (None when empty), for every partition 0..N-1."""
-    winners: dict[int, int | None] = {}
-    for r in results:
-        if r.partition in winners:
-            raise RuntimeError(f"two accepted results for partition {r.partition}: {winners[r.partition]} and "
-                               f"{r.lease_id}")
-        winners[r.partition] = r.lease_id
-    missing = [p for p in range(partitions) if p not in winners]
-    if missing:
-        raise RuntimeError(f"no task result for partitions {missing} of {partitions}")
-    return winners
+    return {p: r.lease_id for p, r in accepted_results(results, partitions).items()}
 
 
-def read_query_id(spark: Any, checkpoint_location: str) -> str:
-    """Spark's query id from `<checkpointLocation>/metadata` (a JSON line {"id": ...}), read through
-    Hadoop's FileSystem so any location Spark can use (local, HDFS, S3A...) works."""
-    jvm = spark.sparkContext._jvm
-    path = jvm.org.apache.hadoop.fs.Path(checkpoint_location.rstrip("/") + "/metadata")
-    fs = path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    if not fs.exists(path):
-        raise LineageError(f"{checkpoint_location}/metadata does not exist: is checkpointLocation the query's "
-                           "checkpoint location?")
-    stream = fs.open(path)
+def read_offsets_digest(spark: Any, checkpoint_location: str, batch_id: int) -> str | None:
+    """A digest of the offsets Spark planned for the batch: its `offsets/<batch_id>` entry without
+    the first two lines (the log version and the batch's metadata, whose timestamp is not part of
+    what the batch reads), read with Spark's text reader (classic and Connect, any file system).
+    None when the entry cannot be read (the coordinator then checks nothing)."""
+    path = f"{checkpoint_location.rstrip('/')}/offsets/{batch_id}"
     try:
-        reader = jvm.java.io.BufferedReader(jvm.java.io.InputStreamReader(stream, "UTF-8"))
-        line = reader.readLine()
-    finally:
-        stream.close()
-    try:
-        return str(json.loads(line)["id"])
-    except (TypeError, ValueError, KeyError):
-        raise LineageError(f"{checkpoint_location}/metadata has no query id: {line!r}") from None
+        rows = spark.read.text(path, wholetext=True).collect()
+    except Exception as exc:  # noqa: BLE001 - AnalysisException (PATH_NOT_FOUND): the check is optional
+        log.debug("batch %d: offsets entry not readable (%s); begin names no offsets", batch_id, exc)
+        return None
+    if len(rows) != 1:
+        return None
+    return offsets_digest(str(rows[0][0]).splitlines())
+
+
+def offsets_digest(entry_lines: list[str]) -> str:
+    return "sha256:" + hashlib.sha256("\n".join(entry_lines[2:]).encode()).hexdigest()
 
 
 def _unexpected(call: str, batch_id: int, got: str, expected: str) -> CoordinatorError:

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from kafka_broker import KafkaFaultProxy
+from kafka_proxy import KafkaFaultProxy
 from localkafka import LocalKafka
 
 SCRAM_USER, SCRAM_PASSWORD = "alice", "alice-secret"

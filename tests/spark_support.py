@@ -2,12 +2,11 @@
 database of its own, a local PySpark session, fault hooks for tasks and drivers, and the
 exactly-once check against the coordinator's records and the topic's provenance headers.
 
-Tansu (the Kafka stand-in, DESIGN §5) hands aborted and open transactional records to every
-consumer, so what a `read_committed` reader would see cannot be read from it. The check therefore
-reads EVERY record with its provenance headers and keeps those whose `eos-lease-id` is a committed
-winner in the coordinator's records; on top, it asks the broker's own log (raw Fetch, control
-batches) that each winner's transaction ended with a COMMIT marker. Real Kafka visibility is the
-docker-compose e2e suite's job.
+The broker is a real Apache Kafka (tests/real_kafka.py). The check counts what a `read_committed`
+consumer sees: every input value exactly once. It cross-checks that each visible record's
+provenance headers name a committed winner in the coordinator's records, and that each winner's
+transaction ended with a COMMIT marker in the broker's log; `Outcome.records` (read_uncommitted)
+also holds the aborted copies, for tests that show they exist.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from typing import Any
 import pytest
 
 from conftest import migrated_database
-from kafka_broker import partition_log
+from kafka_producers import partition_log
 from servers import ServiceProcess
 from sparkclient.client import CoordinatorClient
 
@@ -58,20 +57,26 @@ def register(service: ServiceProcess, sink: str, bootstrap: str, topic: str, **e
         return admin.register_sink(f"{sink}-tx", bootstrap, [topic], **extra)["writer_token"]
 
 
-def spark_session(app: str, master: str = "local[2,4]", **conf: str) -> Any:
+def spark_session(app: str, master: str | None = "local[2,4]", *, remote: str | None = None, **conf: str) -> Any:
     """A local session whose Python workers run this interpreter and can import the test helpers
-    (fault hooks are pickled by reference). local[N,F]: N threads, F tries per task."""
+    (fault hooks are pickled by reference). local[N,F]: N threads, F tries per task. With `remote`
+    (e.g. "local[2,4]"), a Spark Connect session on pyspark's local Connect server instead."""
     from pyspark.sql import SparkSession
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
     paths = [str(TESTS_DIR), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    builder = (SparkSession.builder.master(master).appName(app).config("spark.ui.enabled", "false")
-               .config("spark.sql.shuffle.partitions", "4").config("spark.speculation", "true"))
+    if remote is not None:
+        builder = SparkSession.builder.remote(remote).appName(app)
+    else:
+        builder = (SparkSession.builder.master(master).appName(app).config("spark.ui.enabled", "false")
+                   .config("spark.speculation", "true"))
+    builder = builder.config("spark.sql.shuffle.partitions", "4")
     for k, v in conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    if remote is None:
+        spark.sparkContext.setLogLevel("ERROR")
     return spark
 
 
@@ -135,12 +140,14 @@ class TopicRecord:
     headers: dict[str, str]
 
 
-def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[TopicRecord]:
-    """Every record of the topic (read_uncommitted: aborted ones too, as Tansu gives anyway)."""
+def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0, *, committed: bool = False) -> list[TopicRecord]:
+    """Every record of the topic: read_uncommitted (aborted and open transactions' records too), or
+    what a read_committed consumer sees."""
     from confluent_kafka import Consumer, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"check-{uuid.uuid4().hex[:6]}",
-                         "enable.auto.commit": False, "isolation.level": "read_uncommitted", "log_level": 3})
+                         "enable.auto.commit": False, "log_level": 3,
+                         "isolation.level": "read_committed" if committed else "read_uncommitted"})
     try:
         partitions = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
         consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
@@ -167,8 +174,8 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[Topi
 class Outcome:
     checkpoints: list[dict[str, Any]]
     details: dict[int, dict[str, Any]]  # batch id -> checkpoint detail
-    records: list[TopicRecord]
-    committed: list[TopicRecord]  # records of committed winner transactions
+    records: list[TopicRecord]  # everything in the log (read_uncommitted)
+    committed: list[TopicRecord]  # what a read_committed consumer sees
     winners: dict[int, dict[str, Any]]  # lease id -> lease (committed winners)
     losers: dict[int, dict[str, Any]]  # lease id -> lease (every other lease)
 
@@ -182,14 +189,14 @@ def outcome(service: ServiceProcess, sink: str, bootstrap: str, topic: str) -> O
         for lease in d["leases"]:
             (winners if lease["state"] == "COMMITTED" else losers)[lease["lease_id"]] = lease
     records = read_topic(bootstrap, topic)
-    committed = [r for r in records if int(r.headers.get("eos-lease-id", "0")) in winners]
+    committed = read_topic(bootstrap, topic, committed=True)
     return Outcome(checkpoints, details, records, committed, winners, losers)
 
 
 def assert_exactly_once(out: Outcome, expected_values: list[str], sink: str, bootstrap: str, topic: str) -> None:
-    """Every input value in exactly one committed winner transaction; no batch committed twice;
-    every record's provenance headers agree with the coordinator; every winner's transaction
-    ended with a COMMIT marker on the broker."""
+    """Every input value visible to a read_committed consumer exactly once; no batch committed
+    twice; every visible record's provenance headers name a committed winner; every winner's
+    transaction ended with a COMMIT marker on the broker."""
     batches = [cp["batch_id"] for cp in out.checkpoints]
     assert len(batches) == len(set(batches)), f"a batch has two checkpoints: {batches}"
     for b, d in out.details.items():
@@ -207,6 +214,7 @@ def assert_exactly_once(out: Outcome, expected_values: list[str], sink: str, boo
         f"duplicated {dict(list(duplicated.items())[:10])}, missing {missing[:20]} (of {len(missing)}), "
         f"unexpected {sorted(unexpected)[:10]}")
     for r in out.committed:
+        assert int(r.headers["eos-lease-id"]) in out.winners, f"a visible record of a lease that did not win: {r}"
         lease = out.winners[int(r.headers["eos-lease-id"])]
         batch = int(r.headers["eos-batch-id"])
         assert r.headers["eos-sink"] == sink

@@ -1,6 +1,11 @@
 """The I/O-free interpretation of broker observations (coordinator/broker.py), the parsing and
 verdict functions of the wire control plane fed with kafka-python response objects (no broker),
-and the two admin endpoints over a record-only control plane on a real Postgres."""
+and the two admin endpoints over a record-only control plane on a real Postgres.
+
+Why no broker here: these are the pure functions' edge cases a healthy broker does not produce on
+cue (an id that expires between ListTransactions and DescribeTransactions, per-partition error
+codes, leaderless partitions, epochs that do not match a lease). What the real broker answers is
+tested in tests/test_broker_wire.py and tests/test_kafka_wire.py."""
 
 from __future__ import annotations
 
@@ -273,7 +278,7 @@ def test_offsets_metadata_and_configs_are_parsed() -> None:
                             synonyms=[]) for k, v in entries.items()])])
 
     assert parse_transaction_max_timeout(configs(0, {"log.retention.ms": "1", "transaction.max.timeout.ms": "3600000"})) == 3_600_000
-    assert parse_transaction_max_timeout(configs(0, {})) is None  # what Tansu 0.6 answers
+    assert parse_transaction_max_timeout(configs(0, {})) is None  # a broker that does not report it
     with pytest.raises(ControlPlaneError) as denied:
         parse_transaction_max_timeout(configs(31, {}))
     assert denied.value.code == "cluster_authorization_failed"

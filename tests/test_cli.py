@@ -1,8 +1,7 @@
 """The operator commands (`coordinator sinks|checkpoints|transactions|commit|abort|acknowledge`)
 end to end: the command in a subprocess (`python -m coordinator.cli`) against a real uvicorn
-service process. And `coordinator kafka commit-transaction|abort-transaction` against the Tansu
-broker (a Kafka wire-protocol stand-in: these tests read the transaction markers it writes, not
-read_committed visibility)."""
+service process. And `coordinator kafka commit-transaction|abort-transaction` against the real
+Kafka broker (tests/real_kafka.py): what a read_committed consumer sees afterwards."""
 
 from __future__ import annotations
 
@@ -14,15 +13,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kafka_broker import TansuBroker, partition_log, run_transactional_producer, tansu  # noqa: F401 - fixtures
+from kafka_producers import partition_log, run_transactional_producer
+from real_kafka import RealKafka
 from servers import REPO_ROOT, ServiceProcess, clean_env, scripted_http
 
 ADMIN = "cli-admin-token-51be"
 
 
-def run(*args: str, url: str | None = None, token: str | None = ADMIN, stdin: str | None = None
-        ) -> subprocess.CompletedProcess[str]:
-    env = clean_env(COORDINATOR_URL=url, COORDINATOR_ADMIN_TOKEN=token)
+def run(*args: str, url: str | None = None, token: str | None = ADMIN, stdin: str | None = None,
+        data_dir: str = "/nonexistent/coordinator-data") -> subprocess.CompletedProcess[str]:
+    env = clean_env(COORDINATOR_URL=url, COORDINATOR_ADMIN_TOKEN=token, COORDINATOR_DATA_DIR=data_dir)
     return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=120, input=stdin)
 
@@ -116,42 +116,140 @@ def test_an_answer_that_is_not_the_coordinators_is_one_clear_line() -> None:
         assert what in out.stderr and "check that --url (or COORDINATOR_URL) points at the coordinator" in out.stderr
 
 
+def test_url_and_token_go_before_or_after_the_subcommand(service: ServiceProcess) -> None:
+    admin = service.client(ADMIN)
+    try:
+        admin.register_sink("orders", "ord", topics=["out"], check_broker=False)
+    finally:
+        admin.close()
+    for argv in (["--url", service.url, "--token", ADMIN, "sinks"],
+                 ["sinks", "--url", service.url, "--token", ADMIN],
+                 ["--url", service.url, "sinks", "--token", ADMIN, "--json"],
+                 ["--json", "--url", service.url, "--token", ADMIN, "sinks"]):
+        out = run(*argv, token=None)
+        assert out.returncode == 0, (argv, out.stderr)
+        assert "orders" in out.stdout, argv
+        assert out.stdout.lstrip().startswith("[") == ("--json" in argv), (argv, out.stdout)
+    # a wrong token given first is not replaced by the subcommand's defaults
+    out = run("--token", "wrong", "sinks", url=service.url, token=None)
+    assert out.returncode == 1 and "coordinator sinks:" in out.stderr
+
+
+def test_the_embedded_defaults_token_is_read_for_a_local_coordinator_only(service: ServiceProcess,
+                                                                          tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "admin-token").write_text(ADMIN + "\n")
+    out = run("sinks", url=service.url, token=None, data_dir=str(data_dir))
+    assert out.returncode == 0 and out.stdout.strip() == "(none)", out.stderr
+    # never sent to another machine: a non-loopback URL without a token is refused before any request
+    out = run("sinks", url="http://192.0.2.1:8000", token=None, data_dir=str(data_dir))
+    assert out.returncode == 1 and "no_token" in out.stderr and "admin-token" in out.stderr
+    out = run("sinks", url=service.url, token=None, data_dir=str(tmp_path / "empty"))
+    assert out.returncode == 1 and "no_token" in out.stderr
+
+
+def test_serve_with_the_embedded_default_is_quiet_and_the_cli_finds_its_token_and_database(tmp_path: Path) -> None:
+    """`coordinator serve` with no database URL: initdb's output goes to data_dir/postgres.log, the
+    token line says 'generated' only the first time, and `coordinator sinks` / `coordinator doctor`
+    find the token and the database without being told."""
+    from servers import free_port, stop_process
+
+    data_dir = tmp_path / "data"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = clean_env(COORDINATOR_DATA_DIR=str(data_dir), COORDINATOR_PORT=str(port), COORDINATOR_RECOVERY_ENABLED="false")
+    logs = []
+    for start in range(2):
+        log_path = tmp_path / f"serve-{start}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve"], cwd=tmp_path, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT)
+        try:
+            from servers import wait_for_http
+
+            wait_for_http(url + "/healthz", proc, log_path)
+            if start == 0:
+                out = run("sinks", url=url, token=None, data_dir=str(data_dir))
+                assert out.returncode == 0 and out.stdout.strip() == "(none)", out.stderr
+                out = subprocess.run([sys.executable, "-m", "coordinator.cli", "doctor"], cwd=tmp_path, env=env,
+                                     capture_output=True, text=True, timeout=120)
+                assert "checking the embedded Postgres in" in out.stdout, out.stdout + out.stderr
+                assert "the schema is at the migrations' head" in out.stdout, out.stdout
+                assert out.returncode == 0, out.stdout + out.stderr
+        finally:
+            assert stop_process(proc) in (0, 143)
+        logs.append(log_path.read_text())
+    assert "admin token generated in" in logs[0] and "admin token generated" not in logs[1]
+    assert "admin token read from" in logs[1]
+    for text in logs:
+        assert "initdb" not in text and "The files belonging to this database system" not in text, text
+        assert "setup plugin alembic" not in text
+    assert "The files belonging to this database system" in (data_dir / "postgres.log").read_text()
+
+
+def test_defaults_agree_with_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real control plane is the default; the restart budget leaves a 60 s timeout room for
+    ordinary batches, so the batch-duration warning fires only for a slow one."""
+    from datetime import datetime, timedelta, timezone
+
+    from coordinator.protocol import rules
+    from coordinator.service.results import Limits, SinkSpec
+    from coordinator.settings import Settings
+
+    for key in [k for k in __import__("os").environ if k.startswith("COORDINATOR_")]:
+        monkeypatch.delenv(key)
+    settings = Settings()
+    assert settings.kafka_control_plane == "kafka"
+    assert settings.restart_budget_ms == Limits().restart_budget_ms
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    timeout = SinkSpec("s", "p", "b", ["t"]).transaction_timeout_ms
+    assert rules.batch_duration_warning(t0, t0 + timedelta(seconds=2), settings.restart_budget_ms, timeout) is None
+    assert rules.batch_duration_warning(t0, t0 + timedelta(seconds=45), settings.restart_budget_ms, timeout)
+
+
 # --- kafka commit-transaction / abort-transaction ---------------------------------------------------
 
 
-def test_kafka_commit_transaction_by_producer_id_and_epoch(tansu: TansuBroker) -> None:
-    topic = tansu.create_topic(1)
-    stats = run_transactional_producer(tansu.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic, records=4)
-    assert partition_log(tansu.bootstrap, topic, 0).has_open_transaction
-    base = ["kafka", "commit-transaction", "--bootstrap-servers", tansu.bootstrap,
+def test_kafka_commit_transaction_by_producer_id_and_epoch(real_kafka: RealKafka) -> None:
+    topic = real_kafka.create_topic(1)
+    stats = run_transactional_producer(real_kafka.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic, records=4)
+    assert partition_log(real_kafka.bootstrap, topic, 0).has_open_transaction
+    base = ["kafka", "commit-transaction", "--bootstrap-servers", real_kafka.bootstrap,
             "--transactional-id", stats.transactional_id, "--producer-id", str(stats.producer_id),
             "--epoch", str(stats.producer_epoch)]
 
     refused = run(*base, stdin="")  # no --yes and no terminal: nothing is done
     assert refused.returncode == 2 and "pass --yes" in refused.stderr
-    assert partition_log(tansu.bootstrap, topic, 0).markers(stats.producer_id) == []
+    assert partition_log(real_kafka.bootstrap, topic, 0).markers(stats.producer_id) == []
 
     out = run(*base, "--yes")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"committed: transaction '{stats.transactional_id}'")
-    after = partition_log(tansu.bootstrap, topic, 0)
+    after = partition_log(real_kafka.bootstrap, topic, 0)
     assert after.markers(stats.producer_id) == ["commit"] and not after.has_open_transaction
+    assert [m.value() for m in real_kafka.read_committed(topic)] == [b"record-%d" % i for i in range(4)]
 
 
-def test_kafka_abort_transaction_by_transactional_id(tansu: TansuBroker) -> None:
-    topic = tansu.create_topic(1)
-    stats = run_transactional_producer(tansu.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic)
-    out = run("kafka", "abort-transaction", "--bootstrap-servers", tansu.bootstrap,
+def test_kafka_abort_transaction_by_transactional_id(real_kafka: RealKafka) -> None:
+    topic = real_kafka.create_topic(1)
+    stats = run_transactional_producer(real_kafka.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic)
+    out = run("kafka", "abort-transaction", "--bootstrap-servers", real_kafka.bootstrap,
               "--transactional-id", stats.transactional_id, "--yes")
     assert out.returncode == 0, out.stderr
-    after = partition_log(tansu.bootstrap, topic, 0)
+    after = partition_log(real_kafka.bootstrap, topic, 0)
     assert after.markers(stats.producer_id) == ["abort"] and not after.has_open_transaction
+    assert real_kafka.read_committed(topic) == []
 
 
-def test_kafka_commit_with_a_wrong_epoch_is_refused(tansu: TansuBroker) -> None:
-    topic = tansu.create_topic(1)
-    stats = run_transactional_producer(tansu.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic)
-    out = run("kafka", "commit-transaction", "--bootstrap-servers", tansu.bootstrap, "--transactional-id",
+def test_kafka_commit_with_a_wrong_epoch_is_refused(real_kafka: RealKafka) -> None:
+    topic = real_kafka.create_topic(1)
+    stats = run_transactional_producer(real_kafka.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic)
+    out = run("kafka", "commit-transaction", "--bootstrap-servers", real_kafka.bootstrap, "--transactional-id",
               stats.transactional_id, "--producer-id", "-1", "--epoch", "0", "--yes")
     assert out.returncode == 1 and "invalid_producer_id (refused for good)" in out.stderr
-    assert partition_log(tansu.bootstrap, topic, 0).markers(stats.producer_id) == []
+    stale = run("kafka", "commit-transaction", "--bootstrap-servers", real_kafka.bootstrap, "--transactional-id",
+                stats.transactional_id, "--producer-id", str(stats.producer_id), "--epoch",
+                str(stats.producer_epoch + 1), "--yes")
+    assert stale.returncode == 1 and "producer_fenced (refused for good)" in stale.stderr, stale.stderr
+    assert partition_log(real_kafka.bootstrap, topic, 0).markers(stats.producer_id) == []

@@ -6,9 +6,9 @@ with real protocol traffic:
   open attempt (for the abort action);
 - `inventory`: a 10 s transaction timeout and a pre-committed transaction left open past 80 % of it;
 - `payments`: a batch whose decided commit Kafka refused for good, so it is LOST and the sink is
-  halted. That refusal is real wire traffic: a second coordinator process with the Kafka control
-  plane sends EndTxn to a Tansu broker through a fault-injecting proxy that answers
-  PRODUCER_FENCED (Tansu is only a wire-level stand-in here; no record visibility is asserted).
+  halted. That refusal is the real broker's (tests/real_kafka.py): a second coordinator process
+  with the Kafka control plane sends EndTxn for a producer the transactional id never had, and
+  Kafka answers INVALID_PRODUCER_ID_MAPPING.
 
 The dashboard process runs with the record-only control plane and without the recovery loop, so
 nothing but the test changes the data while the pages are checked. Screenshots go to
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kafka_broker import API_END_TXN, KafkaFaultProxy, TansuBroker, proxied  # noqa: F401 - fixtures
+from real_kafka import RealKafka
 from servers import REPO_ROOT, ProtocolClient, ServiceProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -37,7 +37,6 @@ ARTIFACTS = REPO_ROOT / "test-artifacts"
 ADMIN = "browser-admin-token"
 VIEWER = "browser-viewer-token"
 NEAR_TIMEOUT_MS = 10_000
-PRODUCER_FENCED = 90
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +83,8 @@ def percent(leased_at: str, at: float) -> float:
 
 
 def test_dashboard_in_a_browser(browser: Any, services: dict[str, ServiceProcess], database_url: str, tmp_path: Path,
-                                proxied: tuple[TansuBroker, KafkaFaultProxy]) -> None:  # noqa: F811
-    broker, proxy = proxied
-    proxy.clear()
+                                real_kafka: RealKafka) -> None:
+    broker = real_kafka
     quiet = {"COORDINATOR_RECOVERY_ENABLED": "false"}
     dash = services["dash"] = ServiceProcess(
         database_url, ADMIN, tmp_path, name="dashboard", env={**quiet, "COORDINATOR_DASHBOARD_VIEWER_TOKEN": VIEWER})
@@ -121,7 +119,6 @@ def test_dashboard_in_a_browser(browser: Any, services: dict[str, ServiceProcess
     payments = kafka_side.client(payments.token)
     gen_p = payments.start_generation("payments", "q-payments", "r-1")["generation"]
     (lost_lease,) = write(payments, "payments", gen_p, 0, [12], commit=False)
-    proxy.inject(API_END_TXN, error_code=PRODUCER_FENCED, times=1)
     refused = payments.commit("payments", 0, 1, gen_p, {0: lost_lease["lease_id"]}, expect=409)
     assert refused["error"]["reason"] == "data_lost", refused
     kafka_side.stop()
@@ -162,7 +159,7 @@ def test_dashboard_in_a_browser(browser: Any, services: dict[str, ServiceProcess
     # --- a checkpoint page: the lost batch with its pre-commit and event trail ------------------
     page.goto(base + "/sinks/payments/checkpoints/0")
     assert page.locator("[data-testid=checkpoint-state]").inner_text() == "LOST"
-    assert "producer_fenced" in page.locator("[data-testid=lost-reason]").inner_text()
+    assert "invalid_producer_id_mapping" in page.locator("[data-testid=lost-reason]").inner_text()
     lease_row = page.locator(f"[data-testid=leases] tr[data-lease='{lost_lease['lease_id']}']")
     assert lease_row.get_attribute("data-state") == "LOST"
     assert lease_row.locator("[data-testid=producer-id]").inner_text() == str(9000 + lost_lease["lease_id"])

@@ -1,11 +1,9 @@
 """`coordinator doctor` against a reachable broker, an unreachable one, a timeout misconfiguration,
 a database behind its migrations and an unreachable database -- each with its verdict and exit code.
 
-The broker is Tansu, a Kafka wire-protocol stand-in (tests/kafka_broker.py): enough for
-reachability, advertised listeners, ApiVersions and DescribeConfigs. It lacks KIP-664
-ListTransactions (so the prefix check is a warning: unverifiable) and does not report
-transaction.max.timeout.ms, which the fault-injecting proxy answers with a recorded
-DescribeConfigs response, as a real broker would.
+The broker is a real Apache Kafka (tests/real_kafka.py): the doctor reads its
+transaction.max.timeout.ms through DescribeConfigs and lists transactional ids with KIP-664
+ListTransactions.
 """
 
 from __future__ import annotations
@@ -18,13 +16,14 @@ from typing import Any
 
 import psycopg
 import pytest
-from kafka_broker import KafkaFaultProxy, TansuBroker, faulty, free_port, proxied, tansu  # noqa: F401 - fixtures
+from kafka_producers import run_transactional_producer
+from real_kafka import RealKafka
 from servers import REPO_ROOT, clean_env
-from test_broker_wire import DESCRIBE_CONFIGS, broker_config_answer
 
 from coordinator import cli
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.store.db import downgrade
+from localkafka import free_port
 
 
 def doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[tuple[str, str], dict[str, Any]]]:
@@ -49,9 +48,9 @@ def prefix() -> str:
     return f"pfx{uuid.uuid4().hex[:8]}"
 
 
-def test_reachable_broker_and_current_database(tansu: TansuBroker, database_url: str,
+def test_reachable_broker_and_current_database(real_kafka: RealKafka, database_url: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    code, found = doctor(capsys, "--database-url", database_url, "--bootstrap-servers", tansu.bootstrap,
+    code, found = doctor(capsys, "--database-url", database_url, "--bootstrap-servers", real_kafka.bootstrap,
                          "--prefix", prefix(), "--transaction-timeout-ms", "120000", "--sink", "orders")
     assert verdicts(found) == {
         ("database", "database"): "ok",
@@ -60,14 +59,13 @@ def test_reachable_broker_and_current_database(tansu: TansuBroker, database_url:
         ("sink orders", "bootstrap"): "ok",
         ("sink orders", "advertised_listeners"): "ok",
         ("sink orders", "transactions_supported"): "ok",
-        ("sink orders", "transaction_timeout"): "ok",  # within Kafka's default: Tansu does not report its max
-        ("sink orders", "prefix_unused"): "warn",  # Tansu lacks ListTransactions: unverifiable, not failed
+        ("sink orders", "transaction_timeout"): "ok",
+        ("sink orders", "prefix_unused"): "ok",
         ("sink orders", "prefix_clash"): "ok",
     }
     assert code == 0
-    assert "not verified" in found[("sink orders", "transaction_timeout")]["detail"]
-    assert "ListTransactions" in found[("sink orders", "prefix_unused")]["detail"]
-    assert "Kafka >= 3.0" in found[("sink orders", "prefix_unused")]["fix"]
+    assert found[("sink orders", "transaction_timeout")]["detail"] == (
+        "the sink's transaction.timeout.ms 120000 is within the broker's transaction.max.timeout.ms 900000")
     assert found[("database", "migrations")]["fix"] is None
 
 
@@ -95,35 +93,43 @@ def test_unreachable_broker_through_the_console_command() -> None:
     assert out.stdout.strip().splitlines()[-1].endswith("1 fail")
 
 
-def test_sink_timeout_above_the_brokers_maximum(faulty: tuple[TansuBroker, KafkaFaultProxy],
-                                               capsys: pytest.CaptureFixture[str]) -> None:
-    broker, proxy = faulty
-    proxy.respond(DESCRIBE_CONFIGS, broker_config_answer({"transaction.max.timeout.ms": "30000"}))
-    code, found = doctor(capsys, "--bootstrap-servers", broker.bootstrap, "--prefix", prefix(),
-                         "--transaction-timeout-ms", "60000")
+def test_sink_timeout_above_the_brokers_maximum(real_kafka: RealKafka, capsys: pytest.CaptureFixture[str]) -> None:
+    """transaction.max.timeout.ms as the broker reports it through DescribeConfigs (Kafka's
+    default, 900000 ms)."""
+    code, found = doctor(capsys, "--bootstrap-servers", real_kafka.bootstrap, "--prefix", prefix(),
+                         "--transaction-timeout-ms", "1000000")
     timeout = found[("sink unregistered", "transaction_timeout")]
     assert code == 1 and timeout["verdict"] == "fail"
-    assert "60000 exceeds the broker's transaction.max.timeout.ms 30000" in timeout["detail"]
-    assert "lower the sink's transaction_timeout_ms to at most 30000" in timeout["fix"]
+    assert "1000000 exceeds the broker's transaction.max.timeout.ms 900000" in timeout["detail"]
+    assert "lower the sink's transaction_timeout_ms to at most 900000" in timeout["fix"]
     assert found[("sink unregistered", "bootstrap")]["verdict"] == "ok"
 
-    code, found = doctor(capsys, "--bootstrap-servers", broker.bootstrap, "--prefix", prefix(),
+    code, found = doctor(capsys, "--bootstrap-servers", real_kafka.bootstrap, "--prefix", prefix(),
                          "--transaction-timeout-ms", "20000")
     assert found[("sink unregistered", "transaction_timeout")]["verdict"] == "ok"
-    assert proxy.injected[DESCRIBE_CONFIGS] == 2
 
 
-def test_registered_sinks_and_prefix_clash(tansu: TansuBroker, coordinator: Coordinator, database_url: str,
+def test_prefix_used_by_a_producer_on_the_broker(real_kafka: RealKafka, capsys: pytest.CaptureFixture[str]) -> None:
+    p = prefix()
+    topic = real_kafka.create_topic(1)
+    stats = run_transactional_producer(real_kafka.bootstrap, f"{p}-legacy", topic, records=1)
+    code, found = doctor(capsys, "--bootstrap-servers", real_kafka.bootstrap, "--prefix", p)
+    unused = found[("sink unregistered", "prefix_unused")]
+    assert code == 1 and unused["verdict"] == "fail"
+    assert f"{p}-legacy (producer id {stats.producer_id}, Ongoing)" in unused["detail"]
+
+
+def test_registered_sinks_and_prefix_clash(real_kafka: RealKafka, coordinator: Coordinator, database_url: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     p = prefix()
-    coordinator.register_sink(SinkSpec("orders", p, tansu.bootstrap, ["out"], transaction_timeout_ms=120_000), "admin")
+    coordinator.register_sink(SinkSpec("orders", p, real_kafka.bootstrap, ["out"], transaction_timeout_ms=120_000), "admin")
     code, found = doctor(capsys, "--database-url", database_url)  # every registered sink
     assert found[("sink orders", "bootstrap")]["verdict"] == "ok"
     assert found[("sink orders", "prefix_clash")]["verdict"] == "ok"
     assert code == 0
 
     # a sink about to be registered whose prefix extends an existing one's
-    code, found = doctor(capsys, "--database-url", database_url, "--bootstrap-servers", tansu.bootstrap,
+    code, found = doctor(capsys, "--database-url", database_url, "--bootstrap-servers", real_kafka.bootstrap,
                          "--prefix", p + "x", "--transaction-timeout-ms", "120000", "--sink", "views")
     clash = found[("sink views", "prefix_clash")]
     assert code == 1 and clash["verdict"] == "fail"

@@ -3,7 +3,8 @@ the compose stack cannot start: (a) hand-made topic dumps that must fail in each
 right, through the verifier's command line; (b) the simulation's model of Kafka (sim/): its
 read_committed view after seeded fault schedules must pass, and the same output corrupted (an
 aborted transaction's records delivered, a committed record dropped, a transaction left open)
-must fail; (c) the verifier's consumer on the wire against the Tansu stand-in broker."""
+must fail; (c) the verifier (read_committed consumer, KIP-664 listing, ListOffsets) against the
+real broker, and a deliberately broken variant of it (read_uncommitted) that must fail."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kafka_broker import TansuBroker, tansu  # noqa: F401 - fixture
+from kafka_producers import run_transactional_producer
+from real_kafka import RealKafka
 from sqlalchemy import Engine
 
 from coordinator.kafka_control import OpenTransaction
@@ -125,7 +127,7 @@ def quiet_coordinator_logs() -> Iterator[None]:
 
 def model_records(sim: Sim, *, uncommitted: bool = False) -> list[Record]:
     """The model's output topic as a consumer sees it (read_committed, or everything written: what
-    read_uncommitted -- or the Tansu stand-in -- would deliver), provenance = the writing id."""
+    read_uncommitted would deliver), provenance = the writing id."""
     tid_of = {m.producer_id: m.transactional_id for m in sim.model.txns.values()}
     if uncommitted:
         entries = [(p, e) for (t, p), log in sorted(sim.model.logs.items()) if t == sim.topic
@@ -194,28 +196,88 @@ def test_a_transaction_left_open_in_the_model_fails_until_it_is_aborted(engine: 
     assert check(model_records(sim), expected, model_open(sim), prefix=sim.prefix).ok
 
 
-# --- (c) the verifier's consumer on the wire -------------------------------------------------------
+# --- (c) the verifier against the real broker -------------------------------------------------------
 
 
-def test_the_verifier_reads_every_partition_with_headers_on_the_wire(tansu: TansuBroker) -> None:
-    """Wire-level only: Tansu is a Kafka-protocol stand-in that delivers aborted and open
-    transactional records to read_committed consumers, so this proves the verifier reads every
-    partition to its end with offsets, keys and headers -- not exactly-once visibility (the e2e
-    suite against real Kafka does that)."""
+def _transaction(bootstrap: str, tid: str, topic: str, values: list[str], *, commit: bool) -> None:
     from confluent_kafka import Producer
 
-    topic = tansu.create_topic(3)
-    producer = Producer({"bootstrap.servers": tansu.bootstrap, "transactional.id": f"verify-{uuid.uuid4().hex[:6]}"})
+    producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": tid, "log_level": 0})
     producer.init_transactions(30)
     producer.begin_transaction()
-    for i in range(9):
-        producer.produce(topic, key=str(i), value=str(i), partition=i % 3, headers=[("eos-batch-id", b"0")])
-    producer.commit_transaction(30)
+    for v in values:
+        producer.produce(topic, key=v, value=v, partition=int(v) % 3, headers=[("eos-batch-id", b"0")])
+    assert producer.flush(30) == 0  # in the log before the transaction ends
+    (producer.commit_transaction if commit else producer.abort_transaction)(30)
 
-    records = verify_output.consume_topic(tansu.bootstrap, topic, timeout_s=60, idle_s=1.0)
-    assert sorted(r.text() or "" for r in records) == expected_range(9)
+
+def verify(capsys: pytest.CaptureFixture[str], bootstrap: str, topic: str, total: int, prefix: str,
+           settle_s: float = 2.0) -> tuple[int, str]:
+    code = verify_output.main(["--bootstrap-servers", bootstrap, "--topic", topic, "--total-records", str(total),
+                               "--prefix", prefix, "--settle-timeout-s", str(settle_s), "--read-timeout-s", "60"])
+    return code, capsys.readouterr().out
+
+
+def test_the_verifier_on_the_real_broker_counts_what_read_committed_sees(
+    real_kafka: RealKafka, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Committed "0".."8" on three partitions, and an aborted transaction that wrote a copy of "3"
+    and a "9": the verifier passes (the aborted records are in the log, not visible). A broken
+    verifier that reads read_uncommitted counts the aborted records and must fail."""
+    bootstrap = real_kafka.bootstrap
+    topic = real_kafka.create_topic(3)
+    prefix = f"demo-{uuid.uuid4().hex[:6]}-"
+    _transaction(bootstrap, f"{prefix}0", topic, [str(i) for i in range(9)], commit=True)
+    _transaction(bootstrap, f"{prefix}1", topic, ["3", "9"], commit=False)
+
+    code, out = verify(capsys, bootstrap, topic, 9, prefix)
+    assert code == 0 and out.startswith("PASS: 9 records read_committed, 9 expected"), out
+    records = verify_output.consume_topic(bootstrap, topic, timeout_s=60, idle_s=0.5)
     assert {r.partition for r in records} == {0, 1, 2}
     assert all(r.headers == (("eos-batch-id", b"0"),) and r.key == r.value for r in records)
-    assert check(records, expected_range(9), key_equals_value=True).ok
+
+    # the deliberately broken variant: the same verifier reading read_uncommitted
+    honest = verify_output.consume_topic
+    monkeypatch.setattr(verify_output, "consume_topic", lambda *a, **kw: honest(
+        *a, **{**kw, "client_config": {"isolation.level": "read_uncommitted"}}))
+    code, out = verify(capsys, bootstrap, topic, 9, prefix)
+    assert code == 1 and out.startswith("FAIL: 11 records read_committed, 9 expected"), out
+    assert "'3' x2" in out and "unexpected (1 values)" in out and "'9'" in out
+    monkeypatch.setattr(verify_output, "consume_topic", honest)
+
     with pytest.raises(LookupError, match="not found"):
-        verify_output.consume_topic(tansu.bootstrap, f"no-such-topic-{uuid.uuid4().hex[:6]}", timeout_s=20)
+        verify_output.consume_topic(bootstrap, f"no-such-topic-{uuid.uuid4().hex[:6]}", timeout_s=20)
+
+
+def test_the_verifier_on_the_real_broker_catches_duplicates_missing_records_and_open_transactions(
+    real_kafka: RealKafka, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coordinator.kafka_control import KafkaTarget
+    from coordinator.kafka_wire import KafkaWireControlPlane
+
+    bootstrap = real_kafka.bootstrap
+    topic = real_kafka.create_topic(3)
+    prefix = f"demo-{uuid.uuid4().hex[:6]}-"
+    _transaction(bootstrap, f"{prefix}0", topic, [str(i) for i in range(6)], commit=True)
+
+    code, out = verify(capsys, bootstrap, topic, 7, prefix)  # "6" was never written
+    assert code == 1 and "missing (1): 6" in out, out
+
+    _transaction(bootstrap, f"{prefix}1", topic, ["4"], commit=True)  # a second committed copy
+    code, out = verify(capsys, bootstrap, topic, 6, prefix)
+    assert code == 1 and "duplicated (1 values):" in out and "'4' x2" in out, out
+
+    # a transaction left open under the prefix: listed, and it holds its partition's LSO
+    stats = run_transactional_producer(bootstrap, f"{prefix}2", topic, partition=1, records=1)
+    code, out = verify(capsys, bootstrap, topic, 6, prefix, settle_s=1.0)
+    assert code == 1, out
+    assert f"open transactions (1): {prefix}2 (producer id {stats.producer_id}" in out
+    assert f"{topic}[1] last stable offset" in out and f"(held by producer id {stats.producer_id})" in out
+
+    plane = KafkaWireControlPlane()
+    try:
+        plane.abort(KafkaTarget("demo", bootstrap, 60_000), f"{prefix}2")  # what the recovery loop's sweep does
+    finally:
+        plane.close()
+    code, out = verify(capsys, bootstrap, topic, 6, prefix)
+    assert code == 1 and "open transactions" not in out and "last stable offset" not in out  # only the duplicate

@@ -116,6 +116,8 @@ LEGAL = {
     LeaseState: {
         (LeaseState.LEASED, LeaseState.PRECOMMITTED),
         (LeaseState.LEASED, LeaseState.ABORTING),
+        (LeaseState.LEASED, LeaseState.COMMITTING),  # the pre-commit record came with the commit
+        (LeaseState.LEASED, LeaseState.ABORTED),  # an empty partition's unused first-try lease
         (LeaseState.PRECOMMITTED, LeaseState.COMMITTING),
         (LeaseState.PRECOMMITTED, LeaseState.ABORTING),
         (LeaseState.COMMITTING, LeaseState.COMMITTED),
@@ -238,6 +240,10 @@ def test_prefixes_clash(a, b, clash):
 
 def test_transactional_id_for():
     assert rules.transactional_id_for("orders", 7) == "orders-7"
+    # a prefix ending in a separator is not given a second one ("demo-0", not "demo--0")
+    assert rules.transactional_id_for("demo-", 0) == "demo-0"
+    assert rules.transactional_id_for("app.", 3) == "app.3"
+    assert rules.transactional_id_stem("demo-") == rules.transactional_id_stem("demo") == "demo-"
 
 
 def test_validate_timeouts():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kafka_broker import ProducerProcess, partition_log
+from kafka_producers import ProducerProcess, partition_log
 from localkafka import LocalKafka
 from real_kafka import RealKafka
 

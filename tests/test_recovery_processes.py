@@ -1,12 +1,11 @@
 """The recovery loop in real service processes (uvicorn, as deployed) on a real Postgres.
 
 (a) The service is SIGKILLed after a commit decision and before the commits finish: the real
-    Kafka control plane talks to a Tansu broker through the fault-injecting proxy, which holds
+    Kafka control plane talks to the real broker through the fault-injecting proxy, which holds
     the EndTxn requests (never forwarding them) while two transactional producers in their own
     processes have pre-committed. A new service process's recovery loop finishes the checkpoint
-    with no driver call: COMMITTED in the database, and a COMMIT marker from each producer on its
-    partition (read with a raw Fetch). Tansu is a stand-in: this proves the wire path (EndTxn by
-    resume from a process that never produced, after a crash), not read_committed visibility.
+    with no driver call: COMMITTED in the database, a COMMIT marker from each producer on its
+    partition, and every record visible to a read_committed consumer exactly once.
 (b) Two service processes with the loop enabled and a short leader TTL: exactly one leads (the
     leader row and each process's /metrics agree); SIGKILL the leader and the other takes over
     within TTL + one interval, and does the work (finishes a decided commit left behind).
@@ -34,14 +33,9 @@ from coordinator.protocol.states import CheckpointState
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.store import repo
 from coordinator.store.tables import checkpoints
-from kafka_broker import (  # noqa: F401 - fixtures
-    API_END_TXN,
-    KafkaFaultProxy,
-    TansuBroker,
-    partition_log,
-    proxied,
-    run_transactional_producers,
-)
+from kafka_producers import partition_log, run_transactional_producers
+from kafka_proxy import API_END_TXN
+from real_kafka import RealKafka
 from servers import ServiceProcess, start_services
 
 pytestmark = pytest.mark.slow
@@ -100,11 +94,10 @@ def loop_env(**extra: str) -> dict[str, str]:
 
 
 def test_sigkill_after_the_decision_and_the_recovery_loop_finishes_the_commit(
-    proxied: tuple[TansuBroker, KafkaFaultProxy], database_url: str, engine: Engine, tmp_path: Path,
+    kafka_faults: RealKafka, database_url: str, engine: Engine, tmp_path: Path,
     services: list[ServiceProcess],
 ) -> None:
-    broker, proxy = proxied
-    proxy.clear()
+    broker, proxy = kafka_faults, kafka_faults.proxy
     topic = broker.create_topic(2)
     env = loop_env(
         COORDINATOR_KAFKA_CONTROL_PLANE="kafka",
@@ -115,7 +108,7 @@ def test_sigkill_after_the_decision_and_the_recovery_loop_finishes_the_commit(
     services.append(first)
     first.start().wait_ready()
     admin = first.client(ADMIN)
-    writer = admin.with_token(admin.register_sink("orders", "orders-crash", bootstrap_servers=broker.bootstrap,
+    writer = admin.with_token(admin.register_sink("orders", "orders-crash", bootstrap_servers=broker.proxied_bootstrap,
                                                   topics=[topic], expect=201)["writer_token"])
     gen = writer.start_generation("orders", "query-1", "run-1")["generation"]
     attempt = writer.begin("orders", 0, gen)["attempt"]
@@ -166,6 +159,8 @@ def test_sigkill_after_the_decision_and_the_recovery_loop_finishes_the_commit(
         assert log.markers(st.producer_id) == ["commit"], log.batches
         assert not log.has_open_transaction
     assert proxy.requests[API_END_TXN] >= 2 and proxy.injected[API_END_TXN] == 0
+    seen = sorted((m.partition(), m.value()) for m in broker.read_committed(topic))
+    assert seen == sorted((p, b"record-%d" % i) for p in (0, 1) for i in range(3))
     assert pid_of(leader_row(engine)["holder"]) == second.proc.pid  # type: ignore[union-attr]
     events = second.client(ADMIN).request("GET", "/v1/sinks/orders/events", params={"limit": 1000})
     kinds = [ev["kind"] for ev in events]

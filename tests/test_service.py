@@ -21,7 +21,7 @@ from coordinator.protocol.model import Lease, PartitionResult as PR
 from coordinator.protocol.rules import BeginAction, PrecommitRequest
 from coordinator.protocol.states import AttemptState, CheckpointState, LeaseState, TransactionalIdState
 from coordinator.schemas import BeginOut, CommitOut
-from coordinator.service import Coordinator, SinkSpec
+from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.store.tables import attempts, checkpoints, events, generations, leases, sinks, transactional_ids
 
 NAME = "orders"
@@ -32,6 +32,9 @@ ACTOR = "test"
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+QUARANTINE_MS = Limits().transactional_id_quarantine_ms + 1
 
 
 def spec(name: str = NAME, prefix: str = PREFIX, **kw: Any) -> SinkSpec:
@@ -624,7 +627,7 @@ def test_expired_lease_cannot_be_committed(coordinator: Coordinator, kafka: Reco
 
 
 def test_scale_down_between_attempts_with_aborts_pending(
-    coordinator: Coordinator, offline: Coordinator, kafka: RecordingControlPlane
+    coordinator: Coordinator, offline: Coordinator, kafka: RecordingControlPlane, clock: ManualClock
 ):
     g1 = start(offline)
     offline.begin_checkpoint(NAME, 0, g1, ACTOR)
@@ -659,7 +662,8 @@ def test_scale_down_between_attempts_with_aborts_pending(
     assert coordinator.run_pending_aborts(NAME).aborted == []  # nothing left: no second abort
     assert len(kafka.aborts) == 8
     reused = coordinator.begin_partition(NAME, 0, 2, g2, 0, 200)  # a speculative copy
-    assert reused.transactional_id == f"{PREFIX}-0"  # the lowest free ordinal
+    # the aborted ids are free but in quarantine (their tries may still be alive): the pool grows
+    assert reused.transactional_id == f"{PREFIX}-11"
 
     second = [coordinator.precommit(NAME, x.id, g2, req(x)) for x in second]
     result = coordinator.commit(NAME, 0, 2, g2, [PR(p, second[p].id) for p in range(3)], ACTOR)
@@ -670,7 +674,7 @@ def test_scale_down_between_attempts_with_aborts_pending(
 
 
 def test_scale_down_with_control_plane_aborts_every_possibly_open_id(
-    coordinator: Coordinator, kafka: RecordingControlPlane
+    coordinator: Coordinator, kafka: RecordingControlPlane, clock: ManualClock
 ):
     c = coordinator
     g1 = start(c)
@@ -682,8 +686,9 @@ def test_scale_down_with_control_plane_aborts_every_possibly_open_id(
     assert sorted(t for _, t in kafka.aborts) == ids_of(first)
     begun = c.begin_checkpoint(NAME, 0, g2, ACTOR)
     assert sorted(begun.older_aborted) == ids_of(first) and begun.older_abort_pending == []
+    clock.advance(ms=QUARANTINE_MS)
     second = [lease_and_precommit(c, 0, 2, g2, p, 100 + p) for p in range(3)]
-    assert ids_of(second) == [f"{PREFIX}-{i}" for i in range(3)]  # resolved ids are reused
+    assert ids_of(second) == [f"{PREFIX}-{i}" for i in range(3)]  # resolved ids are reused after quarantine
     c.commit(NAME, 0, 2, g2, [PR(p, second[p].id) for p in range(3)], ACTOR)
     assert len(kafka.aborts) == 8
     assert_invariants(c, settled=True)
@@ -761,13 +766,15 @@ def test_reset_lineage_refused_while_a_commit_is_finishing(coordinator: Coordina
 # --- the transactional id pool ---------------------------------------------------------------
 
 
-def test_pool_reuses_the_lowest_free_ordinal(coordinator: Coordinator, kafka: RecordingControlPlane):
+def test_pool_holds_ids_until_their_aborts_succeed(coordinator: Coordinator, kafka: RecordingControlPlane,
+                                                  clock: ManualClock):
     c = coordinator
     gen = start(c)
     c.begin_checkpoint(NAME, 0, gen, ACTOR)
     one = c.begin_partition(NAME, 0, 1, gen, 0, 1)
     assert one.transactional_id == f"{PREFIX}-0"
     c.abort_attempt(NAME, 0, 1, gen, "retry", ACTOR)
+    clock.advance(ms=QUARANTINE_MS)
     c.begin_checkpoint(NAME, 0, gen, ACTOR)
     three = [c.begin_partition(NAME, 0, 2, gen, p, 10 + p) for p in range(3)]
     assert [x.transactional_id for x in three] == [f"{PREFIX}-{i}" for i in range(3)]
@@ -780,13 +787,14 @@ def test_pool_reuses_the_lowest_free_ordinal(coordinator: Coordinator, kafka: Re
     fresh = c.begin_partition(NAME, 0, 3, gen, 0, 20)
     assert fresh.transactional_id == f"{PREFIX}-3"  # the pool grows rather than reuse a held id
     assert sorted(c.run_pending_aborts(NAME).aborted) == ids_of(three)
+    clock.advance(ms=QUARANTINE_MS)
     more = [c.begin_partition(NAME, 0, 3, gen, p, 20 + p) for p in (1, 2)]
     assert [x.transactional_id for x in more] == [f"{PREFIX}-0", f"{PREFIX}-1"]
     assert len(pool(c)) == 4
     assert_invariants(c, settled=False)
 
 
-def test_pool_exhaustion(coordinator: Coordinator, kafka: RecordingControlPlane):
+def test_pool_exhaustion(coordinator: Coordinator, kafka: RecordingControlPlane, clock: ManualClock):
     c = coordinator
     gen = start(c, max_pool_size=2)
     c.begin_checkpoint(NAME, 0, gen, ACTOR)
@@ -798,6 +806,9 @@ def test_pool_exhaustion(coordinator: Coordinator, kafka: RecordingControlPlane)
     assert c.begin_partition(NAME, 0, 1, gen, 1, 2).transactional_id == f"{PREFIX}-1"
     c.abort_attempt(NAME, 0, 1, gen, "too small", ACTOR)
     c.begin_checkpoint(NAME, 0, gen, ACTOR)
+    # both ids are in quarantine (freed from undecided tries): the pool is exhausted until it ends
+    refused(c, kafka, lambda: c.begin_partition(NAME, 0, 2, gen, 2, 3), e.POOL_EXHAUSTED, e.Unavailable)
+    clock.advance(ms=QUARANTINE_MS)
     assert c.begin_partition(NAME, 0, 2, gen, 2, 3).transactional_id == f"{PREFIX}-0"
     assert len(pool(c)) == 2
 
@@ -964,7 +975,8 @@ def test_a_stale_abort_never_hits_a_re_leased_id(
             assert ("leased", tid) not in log[:i], log
     assert gated.aborts == [(NAME, stale.transactional_id)] and kafka.aborts == []
     assert lease_state(coordinator, stale.id) is LeaseState.ABORTED
-    # the id is free again only now, and the next lease reuses it
+    # the id is free again only now (after its quarantine), and the next lease reuses it
+    clock.advance(ms=QUARANTINE_MS)
     assert coordinator.begin_partition(NAME, 0, 2, gen, 0, 99).transactional_id == stale.transactional_id
     assert coordinator.run_pending_aborts(NAME) == type(outcome)()
     assert_invariants(coordinator)

@@ -1,23 +1,20 @@
 """The deterministic fault-injection simulation (sim/): 300 seeded schedules against the real
-coordinator and Postgres with the Kafka model, the model's own rules, the model against Tansu
-where Tansu behaves like Kafka, and three deliberately broken coordinators the checker must catch.
+coordinator and Postgres with the Kafka model, the model's own rules, the model against a real
+Kafka broker of each transaction version, and three deliberately broken coordinators the checker
+must catch.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from kafka_broker import (  # noqa: F401 - fixtures
-    ProducerProcess,
-    TansuBroker,
-    partition_log,
-    run_transactional_producer,
-    tansu,
-)
+from kafka_producers import ProducerProcess, partition_log, run_transactional_producer
+from real_kafka import RealKafka
 from sqlalchemy import Engine, select
 
 from coordinator.clock import ManualClock
@@ -175,20 +172,27 @@ def test_read_committed_stops_at_the_last_stable_offset_and_drops_aborted_record
     assert m.read_committed("out") == ["a1", "c1", "a2"]  # offset order; b1 dropped
 
 
-# --- (c) the model agrees with Tansu where Tansu behaves like Kafka ---------------------------------
+# --- (c) the model agrees with the real broker ------------------------------------------------------
 
 
-def test_model_and_tansu_agree_on_fencing_epochs_and_retried_commits(tansu: TansuBroker) -> None:
-    topic = tansu.create_topic(1)
+def test_model_and_real_kafka_agree_on_fencing_epochs_retries_timeouts_and_visibility(kafka_each_tv: RealKafka) -> None:
+    """The same steps on the model and on a real broker (each transaction version): the same
+    answers, the same epoch moves, the same records visible to read_committed."""
+    broker = kafka_each_tv
+    topic = broker.create_topic(1)
     name = f"agree-{uuid.uuid4().hex[:8]}"
-    tg = KafkaTarget("agree", tansu.bootstrap, 60_000)
-    plane = KafkaWireControlPlane(request_timeout_ms=400, retry_budget_ms=700, retry_backoff_ms=40,
+    tg = KafkaTarget("agree", broker.bootstrap, 60_000)
+    plane = KafkaWireControlPlane(request_timeout_ms=2_000, retry_budget_ms=4_000, retry_backoff_ms=40,
                                   retry_backoff_max_ms=200)
-    m, _ = model()
+    m, clock = model()
     mplane = ModelControlPlane(m)
+
+    def both_visible() -> tuple[list[str], list[str]]:
+        return [x.value().decode() for x in broker.read_committed(topic)], m.read_committed(topic)
+
     try:
         # a producer opens a transaction and leaves; the coordinator commits it by resume, twice
-        real = run_transactional_producer(tansu.bootstrap, name, topic, records=2)
+        real = run_transactional_producer(broker.bootstrap, name, topic, records=2)
         mpid, mepoch = m.init_producer_id(name, 60_000)
         for i in range(2):
             m.produce(name, mpid, mepoch, topic, 0, f"record-{i}")
@@ -196,46 +200,70 @@ def test_model_and_tansu_agree_on_fencing_epochs_and_retried_commits(tansu: Tans
         plane.commit(tg, PreparedTransaction(name, real.producer_id, real.producer_epoch))  # retried: accepted
         mplane.commit(tg, PreparedTransaction(name, mpid, mepoch))
         mplane.commit(tg, PreparedTransaction(name, mpid, mepoch))
-        assert partition_log(tansu.bootstrap, topic, 0).markers(real.producer_id) == ["commit"]
+        assert partition_log(broker.bootstrap, topic, 0).markers(real.producer_id) == ["commit"]
         assert [x.marker for x in m.logs[(topic, 0)] if x.marker] == ["COMMIT"]
+        assert both_visible() == (["record-0", "record-1"], ["record-0", "record-1"])
 
         # a new producer on the idle id: same producer id, epoch + 1, in both
-        again = run_transactional_producer(tansu.bootstrap, name, topic, records=1)
+        again = run_transactional_producer(broker.bootstrap, name, topic, records=1)
         mpid2, mepoch2 = m.init_producer_id(name, 60_000)
-        m.produce(name, mpid2, mepoch2, topic, 0, "x")
+        m.produce(name, mpid2, mepoch2, topic, 0, "record-0")
         assert (again.producer_id == real.producer_id, again.producer_epoch - real.producer_epoch) == (True, 1)
         assert (mpid2 == mpid, mepoch2 - mepoch) == (True, 1)
 
-        # a resume with the stale epoch is refused by both, and commits nothing
-        with pytest.raises(ControlPlaneError):
+        # a resume with the stale epoch is refused by both with the same code, and commits nothing
+        with pytest.raises(ControlPlaneError) as real_refusal:
             plane.commit(tg, PreparedTransaction(name, again.producer_id, real.producer_epoch))
         with pytest.raises(ControlPlaneError) as refused:
             mplane.commit(tg, PreparedTransaction(name, mpid2, mepoch))
-        assert refused.value.code == "producer_fenced"
-        assert partition_log(tansu.bootstrap, topic, 0).markers(real.producer_id) == ["commit"]
-        assert partition_log(tansu.bootstrap, topic, 0).has_open_transaction
-        assert [x.marker for x in m.logs[(topic, 0)] if x.marker] == ["COMMIT"]
+        assert real_refusal.value.code == refused.value.code == "producer_fenced"
+        assert partition_log(broker.bootstrap, topic, 0).has_open_transaction
         assert [t.transactional_id for t in m.list_open()] == [name]
 
-        # abort by InitProducerId fences the live producer: its next produce is PRODUCER_FENCED
+        # InitProducerId on the id with the open transaction aborts it: the epoch moves by 2 on
+        # Kafka (fence bump, then the bump of the retried InitProducerId); the model agrees
+        third = run_transactional_producer(broker.bootstrap, name, topic, records=1)
+        mpid3, mepoch3 = m.init_producer_id(name, 60_000)
+        assert third.producer_epoch - again.producer_epoch == mepoch3 - mepoch2 == 2
+        assert partition_log(broker.bootstrap, topic, 0).markers(real.producer_id) == ["commit", "abort"]
+        plane.abort(tg, name)
+        mplane.abort(tg, name)
+        assert both_visible() == (["record-0", "record-1"], ["record-0", "record-1"])
+
+        # abort by InitProducerId fences the live producer: its next produce is fenced
         fenced_name = name + "-f"
-        live = ProducerProcess(tansu.bootstrap, fenced_name, topic, stay=True)
+        live = ProducerProcess(broker.bootstrap, fenced_name, topic, stay=True)
         try:
             live.wait_ready()
             fpid, fepoch = m.init_producer_id(fenced_name, 60_000)
             m.produce(fenced_name, fpid, fepoch, topic, 0, "y")
             plane.abort(tg, fenced_name)
             mplane.abort(tg, fenced_name)
-            assert live.produce_more() == ["PRODUCER_FENCED"]
+            assert live.produce_more() in (["_FENCED"], ["PRODUCER_FENCED"])
             with pytest.raises(KafkaError) as exc:
                 m.produce(fenced_name, fpid, fepoch, topic, 0, "late")
             assert exc.value.code == "producer_fenced"
-            assert partition_log(tansu.bootstrap, topic, 0).markers(live.stats.producer_id) == ["abort"]  # type: ignore[union-attr]
+            assert partition_log(broker.bootstrap, topic, 0).markers(live.stats.producer_id) == ["abort"]  # type: ignore[union-attr]
             assert [x.marker for x in m.logs[(topic, 0)] if x.marker and x.producer_id == fpid] == ["ABORT"]
         finally:
             live.close()
-        # (where they differ: Kafka moves the epoch by 2 when InitProducerId fences an open
-        # transaction -- CONCURRENT_TRANSACTIONS, then the retry -- Tansu by 1; the model is Kafka)
+
+        # a transaction past its timeout: both abort it and refuse the late resume as fenced
+        timed = name + "-t"
+        late = run_transactional_producer(broker.bootstrap, timed, topic, records=1, transaction_timeout_ms=1_000)
+        tpid, tepoch = m.init_producer_id(timed, 1_000)
+        m.produce(timed, tpid, tepoch, topic, 0, "z")
+        clock.advance(ms=1_001)
+        deadline = time.monotonic() + 30
+        while partition_log(broker.bootstrap, topic, 0).markers(late.producer_id) != ["abort"]:
+            assert time.monotonic() < deadline, "the broker did not abort the timed-out transaction"
+            time.sleep(0.3)
+        with pytest.raises(ControlPlaneError) as real_late:
+            plane.commit(tg, PreparedTransaction(timed, late.producer_id, late.producer_epoch))
+        with pytest.raises(ControlPlaneError) as model_late:
+            mplane.commit(tg, PreparedTransaction(timed, tpid, tepoch))
+        assert real_late.value.code == model_late.value.code == "producer_fenced"
+        assert both_visible() == (["record-0", "record-1"], ["record-0", "record-1"])
     finally:
         plane.close()
 
@@ -258,23 +286,24 @@ def test_checker_catches_commit_without_the_timeout_gate(engine: Engine, monkeyp
     assert any(v.startswith(("I4", "I7", "LIVENESS")) for v in found.violations), found.report()
 
 
-def test_checker_catches_re_leasing_an_id_that_holds_a_precommitted_transaction(
+def test_checker_catches_re_leasing_an_id_that_holds_an_open_transaction(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = repo.take_free_transactional_id
+    original = repo.take_free_transactional_ids
 
-    def leaky(conn, sink, prefix_for):  # type: ignore[no-untyped-def]
+    def leaky(conn, sink, n, now, prefix_for):  # type: ignore[no-untyped-def]
         held = conn.execute(
             select(transactional_ids.c.id, transactional_ids.c.transactional_id)
             .join(leases, leases.c.id == transactional_ids.c.lease_id)
-            .where(transactional_ids.c.sink_id == sink.id, leases.c.state == "PRECOMMITTED")
+            .where(transactional_ids.c.sink_id == sink.id, leases.c.state.in_(["LEASED", "PRECOMMITTED"]))
             .order_by(transactional_ids.c.ordinal).limit(1)
         ).first()
         if held is not None:
-            return held.id, held.transactional_id
-        return original(conn, sink, prefix_for)
+            return [(held.id, held.transactional_id), *original(conn, sink, n - 1, now, prefix_for)] if n > 1 else [
+                (held.id, held.transactional_id)]
+        return original(conn, sink, n, now, prefix_for)
 
-    monkeypatch.setattr(repo, "take_free_transactional_id", leaky)
+    monkeypatch.setattr(repo, "take_free_transactional_ids", leaky)
     found = first_violation(engine, FaultConfig(), range(2000, 2040))
     assert found is not None, "no violation within 40 seeds"
     assert any(v.startswith(("I3", "I7", "I2")) for v in found.violations), found.report()

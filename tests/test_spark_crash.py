@@ -1,7 +1,7 @@
 """Crash tests: the Spark driver (a subprocess: Python driver, JVM and Python workers in one process
 group) is SIGKILLed at each protocol step and restarted from the same checkpoint location, against
-the real coordinator (uvicorn on Postgres, committing by EndTxn over the wire) and a Tansu broker
-behind the fault-injecting proxy.
+the real coordinator (uvicorn on Postgres, committing by EndTxn over the wire) and a real Kafka
+broker behind the fault-injecting proxy.
 
 One query, four input files (batches 0-3, three partitions each), five runs:
   1. killed after an executor task took its lease (batch 1),
@@ -10,9 +10,8 @@ One query, four input files (batches 0-3, three partitions each), five runs:
   4. killed after batch 2 was committed, before Spark wrote its commit log,
   5. runs to the end.
 After them, every input record is in exactly one committed winner transaction and no batch was
-committed twice. Tansu delivers aborted records to consumers (DESIGN §5), so the check filters the
-topic by the coordinator's committed winners (lease ids in the provenance headers), and reads the
-COMMIT markers from the broker's log; read_committed visibility on real Kafka is the e2e suite's.
+committed twice: what a read_committed consumer sees, cross-checked with the coordinator's winners
+(lease ids in the provenance headers) and the COMMIT markers in the broker's log.
 """
 
 from __future__ import annotations
@@ -26,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from kafka_broker import API_END_TXN, KafkaFaultProxy, TansuBroker, proxied  # noqa: F401 - fixture
+from kafka_proxy import API_END_TXN
+from real_kafka import RealKafka
 from servers import REPO_ROOT, ServiceProcess
 from spark_support import (
     ADMIN,
@@ -66,15 +66,15 @@ def run_driver(args: dict[str, Any], log: Path, timeout_s: float = 240) -> tuple
 
 
 def test_driver_killed_at_every_protocol_step_and_restarted(
-    proxied: tuple[TansuBroker, KafkaFaultProxy], service: ServiceProcess, tmp_path: Path  # noqa: F811
+    kafka_faults: RealKafka, service: ServiceProcess, tmp_path: Path
 ) -> None:
-    broker, proxy = proxied
-    proxy.clear()
+    broker, proxy = kafka_faults, kafka_faults.proxy
     topic = broker.create_topic(3)
-    token = register(service, "crash", broker.bootstrap, topic)
+    bootstrap = broker.proxied_bootstrap  # every client through the proxy, which holds EndTxn in run 3
+    token = register(service, "crash", bootstrap, topic)
     batches = [list(range(0, 30)), list(range(30, 70)), list(range(70, 100)), list(range(100, 140))]
     write_input_files(tmp_path / "in", batches)
-    base = {"bootstrap": broker.bootstrap, "url": service.url, "token": token, "sink": "crash", "topic": topic,
+    base = {"bootstrap": bootstrap, "url": service.url, "token": token, "sink": "crash", "topic": topic,
             "source": str(tmp_path / "in"), "checkpoint": str(tmp_path / "chk")}
     admin = CoordinatorClient(service.url, ADMIN, "crash")
 
@@ -128,29 +128,3 @@ def test_driver_killed_at_every_protocol_step_and_restarted(
     attempt2 = [x for x in result.details[1]["leases"] if x["attempt"] == 2]
     assert attempt2 and all(x["state"] == "ABORTED" for x in attempt2), attempt2
     admin.close()
-
-
-def test_the_example_job_writes_each_value_once_and_exits(
-    proxied: tuple[TansuBroker, KafkaFaultProxy], service: ServiceProcess, tmp_path: Path  # noqa: F811
-) -> None:
-    """`python -m sparkclient.example_job` as the README and the compose file run it (environment
-    variables only, the admin token: it registers its sink and creates its topic): with
-    TOTAL_RECORDS it exits 0 once "0".."TOTAL_RECORDS-1" are committed, each in exactly one
-    committed winner transaction."""
-    import os
-
-    broker, proxy = proxied
-    proxy.clear()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COORDINATOR_")}
-    env.update(KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap, COORDINATOR_URL=service.url, COORDINATOR_ADMIN_TOKEN=ADMIN,
-               OUTPUT_TOPIC="example-out", SINK_NAME="example", TRANSACTIONAL_ID_PREFIX="example-",
-               CHECKPOINT_LOCATION=str(tmp_path / "chk"), TOTAL_RECORDS="300", ROWS_PER_SECOND="150")
-    proc = subprocess.run([sys.executable, "-m", "sparkclient.example_job"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[example_job]")]
-    assert proc.returncode == 0, "\n".join(lines) + proc.stderr[-3000:]
-    assert lines[-1] == "[example_job] all 300 records committed", lines
-    assert any("action=committed" in line for line in lines), lines
-    result = outcome(service, "example", broker.bootstrap, "example-out")
-    assert_exactly_once(result, [str(v) for v in range(300)], "example", broker.bootstrap, "example-out")
-    assert all(r.key == r.value for r in result.committed)

@@ -1,10 +1,7 @@
 """The exactly-once writer in real PySpark streaming queries (local mode) against the real
-coordinator (uvicorn on Postgres, committing by EndTxn over the wire) and a Kafka-protocol broker
-(Tansu, DESIGN §5).
-
-Tansu delivers aborted records to consumers, so exactly-once is checked against the coordinator's
-records and the provenance headers (tests/spark_support.py), plus the COMMIT markers in the
-broker's log; real read_committed visibility is the docker-compose e2e suite's job.
+coordinator (uvicorn on Postgres, committing by EndTxn over the wire) and a real Kafka broker
+(tests/real_kafka.py). Exactly-once is what a read_committed consumer sees (tests/spark_support.py),
+cross-checked with the coordinator's records, the provenance headers and the broker's COMMIT markers.
 
 Speculation: the session runs with spark.speculation=true, but Spark never launches a speculative
 copy here: in local mode the scheduler does not start its speculation check at all, and in
@@ -24,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kafka_broker import TansuBroker, tansu  # noqa: F401 - fixture
+from real_kafka import RealKafka
 from servers import ServiceProcess
 from spark_support import (
     ADMIN,
@@ -63,7 +60,7 @@ def service(module_database_url: str, tmp_path_factory: pytest.TempPathFactory) 
         yield s
 
 
-def options(service: ServiceProcess, broker: TansuBroker, sink: str, token: str, topic: str, checkpoint: Path,
+def options(service: ServiceProcess, broker: RealKafka, sink: str, token: str, topic: str, checkpoint: Path,
             **extra: str) -> dict[str, str]:
     return {
         "kafka.bootstrap.servers": broker.bootstrap, "topic": topic, "coordinator.url": service.url,
@@ -91,10 +88,10 @@ def run_query(spark: Any, source: Path, checkpoint: Path, each_batch: Any) -> An
 
 
 def test_several_batches_with_retries_empty_batches_and_changing_partitions(
-    spark: Any, service: ServiceProcess, tansu: TansuBroker, tmp_path: Path  # noqa: F811
+    spark: Any, service: ServiceProcess, real_kafka: RealKafka, tmp_path: Path
 ) -> None:
-    topic = tansu.create_topic(3)
-    token = register(service, "orders", tansu.bootstrap, topic)
+    topic = real_kafka.create_topic(3)
+    token = register(service, "orders", real_kafka.bootstrap, topic)
     batches = [list(range(0, 40)), [], list(range(40, 45)), list(range(45, 105)), list(range(105, 130))]
     write_input_files(tmp_path / "in", batches)
     # partitions per batch, set by repartition in foreachBatch: changes between batches, and 8
@@ -107,7 +104,7 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
         ("before_precommit", 4, 2),  # fails with an open, flushed transaction
     }))
     reports: list[BatchReport] = []
-    writer = ExactlyOnceKafkaWriter(options(service, tansu, "orders", token, topic, tmp_path / "chk"),
+    writer = ExactlyOnceKafkaWriter(options(service, real_kafka, "orders", token, topic, tmp_path / "chk"),
                                     on_batch=reports.append, fault_hook=faults)
 
     def each_batch(df: Any, batch_id: int) -> None:
@@ -117,25 +114,24 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
     assert query.exception() is None, query.exception()
 
     assert [(r.batch_id, r.action, r.records) for r in reports] == [
-        (0, "committed", 40), (1, "committed", 0), (2, "committed", 5), (3, "committed", 60), (4, "committed", 25)]
-    assert [r.partitions for r in reports] == [3, reports[1].partitions, 8, 2, 4]
-    out = outcome(service, "orders", tansu.bootstrap, topic)
-    assert_exactly_once(out, [str(v) for b in batches for v in b], "orders", tansu.bootstrap, topic)
+        (0, "committed", 40), (1, "empty", 0), (2, "committed", 5), (3, "committed", 60), (4, "committed", 25)]
+    assert [r.partitions for r in reports] == [3, 0, 8, 2, 4]
+    out = outcome(service, "orders", real_kafka.bootstrap, topic)
+    assert_exactly_once(out, [str(v) for b in batches for v in b], "orders", real_kafka.bootstrap, topic)
 
     # each batch committed at its first attempt, one generation, winners = accepted task attempts
-    assert sorted(out.details) == [0, 1, 2, 3, 4]
+    assert sorted(out.details) == [0, 2, 3, 4]  # the empty batch asked nothing of the coordinator
     assert all(d["checkpoint"]["committed_attempt"] == 1 for d in out.details.values())
     for batch in (0, 2, 3, 4):  # the driver committed exactly the task results Spark accepted
         committed = {x["partition"]: x["lease_id"] for x in out.details[batch]["leases"] if x["state"] == "COMMITTED"}
         assert reports[batch].winners == {p: committed.get(p) for p in range(partitions[batch])}
     assert list(reports[2].winners.values()).count(None) >= 3  # 5 rows in 8 partitions: empty ones, no lease
-    assert out.details[1]["leases"] == []  # the empty batch: committed, no transaction
     # the retried tasks: their first attempts' leases lost and ended aborted
     lost = {(x["partition"], x["state"], x["records"]) for x in out.details[3]["leases"] if x["state"] != "COMMITTED"}
     assert {p for p, _, _ in lost} == {0, 1} and all(state == "ABORTED" for _, state, _ in lost), lost
     assert all(records is not None for _, _, records in lost)  # they had pre-committed
     losing_records = [r for r in out.records if int(r.headers["eos-lease-id"]) in out.losers]
-    assert len(losing_records) >= 60  # Tansu shows the aborted duplicates; the check above ignored them
+    assert len(losing_records) >= 60  # the aborted copies are in the log; read_committed never showed them
     assert [x["state"] for x in out.details[0]["leases"] if x["partition"] == 1].count("ABORTED") == 1
     assert [x["state"] for x in out.details[4]["leases"] if x["partition"] == 2].count("ABORTED") == 1
     # per-batch figures for operators
@@ -144,25 +140,25 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
     assert all(x["write_ms"] is not None and x["records"] > 0 for x in out.winners.values())
 
     # a query restarted from a fresh checkpoint location against the same sink is refused
-    fresh = ExactlyOnceKafkaWriter(options(service, tansu, "orders", token, topic, tmp_path / "fresh"))
+    fresh = ExactlyOnceKafkaWriter(options(service, real_kafka, "orders", token, topic, tmp_path / "fresh"))
     query = run_query(spark, tmp_path / "in", tmp_path / "fresh", fresh)
     error = str(query.exception())
     assert "lineage_mismatch" in error and "fresh checkpoint location" in error and "lineage/reset" in error, error
     with CoordinatorClient(service.url, ADMIN, "orders") as c:
-        assert len(c.checkpoints()) == 5  # nothing was written for the refused query
+        assert len(c.checkpoints()) == 4  # nothing was written for the refused query (batch 1 was empty)
 
 
 def test_the_same_checkpoint_continues_and_skips_what_was_committed(
-    spark: Any, service: ServiceProcess, tansu: TansuBroker, tmp_path: Path  # noqa: F811
+    spark: Any, service: ServiceProcess, real_kafka: RealKafka, tmp_path: Path
 ) -> None:
     """A commit the coordinator refuses stops the query; restarted from the same checkpoint
     location, the batch is replayed under a new generation and commits; a batch already committed
     is skipped."""
-    topic = tansu.create_topic(2)
-    token = register(service, "views", tansu.bootstrap, topic)
+    topic = real_kafka.create_topic(2)
+    token = register(service, "views", real_kafka.bootstrap, topic)
     batches = [list(range(0, 10)), list(range(10, 30))]
     write_input_files(tmp_path / "in", batches)
-    opts = options(service, tansu, "views", token, topic, tmp_path / "chk")
+    opts = options(service, real_kafka, "views", token, topic, tmp_path / "chk")
 
     class RefuseOnce:
         """Stands in for a refused commit: an abort from an operator between job and commit."""
@@ -188,8 +184,8 @@ def test_the_same_checkpoint_continues_and_skips_what_was_committed(
     query = run_query(spark, tmp_path / "in", tmp_path / "chk", again)
     assert query.exception() is None, query.exception()
     assert [(r.batch_id, r.action, r.attempt, r.records) for r in reports] == [(1, "committed", 2, 20)]
-    out = outcome(service, "views", tansu.bootstrap, topic)
-    assert_exactly_once(out, [str(v) for b in batches for v in b], "views", tansu.bootstrap, topic)
+    out = outcome(service, "views", real_kafka.bootstrap, topic)
+    assert_exactly_once(out, [str(v) for b in batches for v in b], "views", real_kafka.bootstrap, topic)
     assert [a["state"] for a in out.details[1]["attempts"]] == ["ABORTED", "COMMITTED"]
 
     # a batch committed but not in Spark's commit log (the driver died in between) is skipped
@@ -198,16 +194,16 @@ def test_the_same_checkpoint_continues_and_skips_what_was_committed(
     df = spark.createDataFrame([("x", "x")], "key string, value string")
     replay(df, 1)
     assert [(r.batch_id, r.action, r.records) for r in reports] == [(1, "skipped", 0)]
-    assert len(read_topic(tansu.bootstrap, topic)) == len(out.records)  # nothing more was written
+    assert len(read_topic(real_kafka.bootstrap, topic)) == len(out.records)  # nothing more was written
 
 
 def test_wrong_or_missing_columns_fail_before_anything_is_written(
-    spark: Any, service: ServiceProcess, tansu: TansuBroker, tmp_path: Path  # noqa: F811
+    spark: Any, service: ServiceProcess, real_kafka: RealKafka, tmp_path: Path
 ) -> None:
-    topic = tansu.create_topic(1)
-    token = register(service, "typed", tansu.bootstrap, topic)
+    topic = real_kafka.create_topic(1)
+    token = register(service, "typed", real_kafka.bootstrap, topic)
     (tmp_path / "chk").mkdir()
-    writer = ExactlyOnceKafkaWriter(options(service, tansu, "typed", token, topic, tmp_path / "chk"))
+    writer = ExactlyOnceKafkaWriter(options(service, real_kafka, "typed", token, topic, tmp_path / "chk"))
     cases = [
         (spark.createDataFrame([(1,)], "value int"), "column 'value' has type int; expected string or binary"),
         (spark.createDataFrame([("k",)], "key string"), "no 'value' column"),
@@ -221,12 +217,12 @@ def test_wrong_or_missing_columns_fail_before_anything_is_written(
     for df, message in cases:
         with pytest.raises(SchemaError, match=message.replace("(", r"\(").replace("[", r"\[")):
             writer(df, 0)
-    no_topic = ExactlyOnceKafkaWriter({**options(service, tansu, "typed", token, topic, tmp_path / "chk"), "topic": ""})
+    no_topic = ExactlyOnceKafkaWriter({**options(service, real_kafka, "typed", token, topic, tmp_path / "chk"), "topic": ""})
     with pytest.raises(SchemaError, match="no topic"):
         no_topic(spark.createDataFrame([("v",)], "value string"), 0)
     with CoordinatorClient(service.url, ADMIN, "typed") as c:
         assert c.checkpoints() == [] and c.describe_sink()["generation"] == 0  # the coordinator never heard of it
-    assert read_topic(tansu.bootstrap, topic) == []
+    assert read_topic(real_kafka.bootstrap, topic) == []
 
 
 def test_options_are_checked_with_messages_that_say_what_to_fix(service: ServiceProcess, tmp_path: Path) -> None:
@@ -248,7 +244,7 @@ def test_options_are_checked_with_messages_that_say_what_to_fix(service: Service
 
 
 def test_the_client_retries_until_the_coordinator_answers_and_explains_refusals(
-    module_database_url: str, tmp_path: Path  # noqa: F811
+    module_database_url: str, tmp_path: Path
 ) -> None:
     """Connection refused (the service is not up yet) is retried with backoff until it answers;
     a 4xx is not retried and says what to do; an unreachable service fails within the budget."""
@@ -284,7 +280,7 @@ def test_the_client_retries_until_the_coordinator_answers_and_explains_refusals(
 
 
 def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for_the_commit(
-    service: ServiceProcess, tansu: TansuBroker  # noqa: F811
+    service: ServiceProcess, real_kafka: RealKafka
 ) -> None:
     """The executor side without Spark around it (Python workers are reused across tasks): after
     each task the process has exactly the librdkafka threads it had before (its producer is gone),
@@ -293,11 +289,11 @@ def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for
     import gc
     import os
 
-    from kafka_broker import partition_log
+    from kafka_producers import partition_log
     from sparkclient.executor import TaskSpec, write_partition
 
-    topic = tansu.create_topic(1)
-    token = register(service, "tasks", tansu.bootstrap, topic)
+    topic = real_kafka.create_topic(1)
+    token = register(service, "tasks", real_kafka.bootstrap, topic)
 
     def native_threads() -> int:
         """librdkafka's threads in this process (named rdk:main, rdk:broker…); other threads of the
@@ -315,16 +311,16 @@ def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for
         before = native_threads()
         for batch in range(3):
             attempt = c.begin(batch, gen)["attempt"]
-            spec = TaskSpec(service.url, token, "tasks", 30_000, 60_000, batch, attempt, gen, tansu.bootstrap,
+            spec = TaskSpec(service.url, token, "tasks", 30_000, 60_000, batch, attempt, gen, real_kafka.bootstrap,
                             {"linger.ms": 5}, topic, ("key", "value"), True)
             (result,) = list(write_partition(spec, 0, [(f"k{batch}-{i}", f"v{batch}-{i}") for i in range(50)]))
             gc.collect()
             assert native_threads() == before, f"batch {batch}: threads left behind"
             assert result.records == 50 and result.lease_id is not None and result.write_ms >= 0
-            assert partition_log(tansu.bootstrap, topic, 0).has_open_transaction  # released, not ended
+            assert partition_log(real_kafka.bootstrap, topic, 0).has_open_transaction  # released, not ended
             answer = c.commit(batch, attempt, gen, {0: result.lease_id})
             assert answer["state"] == "COMMITTED" and answer["committed"][0]["records"] == 50
-            log = partition_log(tansu.bootstrap, topic, 0)
+            log = partition_log(real_kafka.bootstrap, topic, 0)
             assert not log.has_open_transaction
             assert log.markers(answer["committed"][0]["producer_id"])[-1] == "commit"
         (empty,) = list(write_partition(spec, 4, []))  # an empty partition: no lease, no producer
@@ -332,17 +328,17 @@ def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for
 
 
 def test_every_kafka_sink_column_is_written_as_spark_gives_it(
-    spark: Any, service: ServiceProcess, tansu: TansuBroker, tmp_path: Path  # noqa: F811
+    spark: Any, service: ServiceProcess, real_kafka: RealKafka, tmp_path: Path
 ) -> None:
     """All five columns of Spark's Kafka-sink schema, with the types PySpark hands to Python
     (binary columns arrive as bytearray, also inside `headers`), a null `value` (a tombstone), a
-    null header value, the `partition` column and the `topic` column (no topic option). Tansu
-    is enough here: this is about what the records carry, not their visibility."""
-    topic = tansu.create_topic(3)
-    token = register(service, "columns", tansu.bootstrap, topic)
+    null header value, the `partition` column and the `topic` column (no topic option), as a
+    read_committed consumer reads them."""
+    topic = real_kafka.create_topic(3)
+    token = register(service, "columns", real_kafka.bootstrap, topic)
     (tmp_path / "chk").mkdir()
     (tmp_path / "chk" / "metadata").write_text('{"id":"query-columns"}\n')
-    writer = ExactlyOnceKafkaWriter({**options(service, tansu, "columns", token, topic, tmp_path / "chk"),
+    writer = ExactlyOnceKafkaWriter({**options(service, real_kafka, "columns", token, topic, tmp_path / "chk"),
                                      "topic": "", "provenance.headers": "false"})
     rows = [(f"k{i}".encode(), None if i == 3 else f"v{i}".encode(), topic, i % 3,
              [("trace", f"t{i}".encode()), ("empty", None)]) for i in range(6)]
@@ -353,7 +349,7 @@ def test_every_kafka_sink_column_is_written_as_spark_gives_it(
     writer.on_batch = reports.append
     writer(df, 0)
     assert [(r.action, r.records) for r in reports] == [("committed", 6)]
-    got = sorted(read_topic(tansu.bootstrap, topic), key=lambda r: r.key)
+    got = sorted(read_topic(real_kafka.bootstrap, topic, committed=True), key=lambda r: r.key)
     assert [(r.key, r.value, r.partition, r.headers) for r in got] == [
         (f"k{i}".encode(), None if i == 3 else f"v{i}".encode(), i % 3, {"trace": f"t{i}"}) for i in range(6)]
 
@@ -372,7 +368,8 @@ def test_the_driver_refuses_coordinator_answers_it_does_not_expect(spark: Any, t
     empty = spark.createDataFrame([], "value string")
     with scripted_http() as (url, script):
         opts = {"kafka.bootstrap.servers": "127.0.0.1:1", "topic": "t", "coordinator.url": url,
-                "coordinator.token": "w", "coordinator.sink": "odd", "checkpointLocation": str(tmp_path)}
+                "coordinator.token": "w", "coordinator.sink": "odd", "checkpointLocation": str(tmp_path),
+                "skip.empty.batches": "false"}  # the empty batch must reach begin and commit here
         script.answers = [sink, generation, (200, json.dumps({"action": "wait", "batch_id": 0, "state": "OPEN",
                                                              "attempt": None, "resumed": False}), {})]
         with pytest.raises(CoordinatorError, match="begin of batch 0 answered action 'wait'"):

@@ -64,6 +64,7 @@ class Checkpoint(_Record):
     committed_at: datetime | None
     lost_reason: str | None = None  # why Kafka refused a winner's commit (state LOST)
     lost_at: datetime | None = None
+    offsets_digest: str | None = None  # the offsets Spark planned for the batch, bound at first begin
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,12 @@ class Lease(_Record):
     precommitted_at: datetime | None
     resolved_at: datetime | None
     write_ms: int | None = None  # the executor's produce + flush time (reported with the pre-commit)
+    first_offsets: list[list[Any]] | None = None  # [[topic, partition, first offset written], ...]
+
+    @property
+    def first_try(self) -> bool:
+        """Pre-leased at begin for the partition's first task try (stage and task attempt 0)."""
+        return self.task_attempt_id == FIRST_TRY_TASK_ATTEMPT
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,8 @@ class TransactionalId(_Record):
     transactional_id: str
     state: TransactionalIdState
     lease_id: int | None
+    released_at: datetime | None = None
+    reusable_at: datetime | None = None  # end of the quarantine of an id freed from an undecided try
 
 
 @dataclass(frozen=True)
@@ -125,8 +134,30 @@ class Alert:
 
 
 @dataclass(frozen=True)
+class PrecommitRecord:
+    """What a task attempt reports about its flushed transaction (in its Spark task result, which
+    the driver forwards with the commit; or, from older clients, with the pre-commit call)."""
+
+    producer_id: int
+    producer_epoch: int
+    records: int
+    bytes: int
+    write_ms: int | None = None  # a figure for operators, not part of the transaction's identity
+    first_offsets: list[list[Any]] | None = None  # [[topic, partition, offset], ...]: where to look in the log
+
+    def identity(self) -> tuple[int, int, int, int]:
+        return (self.producer_id, self.producer_epoch, self.records, self.bytes)
+
+
+@dataclass(frozen=True)
 class PartitionResult:
-    """One entry of a commit request: the winning lease of a partition, or None if it was empty."""
+    """One entry of a commit request: the winning lease of a partition (with its pre-commit record
+    when the task returned it to the driver), or None if it was empty."""
 
     partition: int
     lease_id: int | None
+    precommit: PrecommitRecord | None = None
+
+
+# The task attempt id of a lease taken at begin for a partition's first task try.
+FIRST_TRY_TASK_ATTEMPT = -1

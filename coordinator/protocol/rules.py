@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 
 from . import errors as e
-from .model import Attempt, Checkpoint, Lease, PartitionResult, Sink
+from .model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PartitionResult, PrecommitRecord, Sink
 from .states import UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
 
 # Kafka accepts any string as transactional.id; we keep to the characters Kafka allows in topic
@@ -53,8 +53,16 @@ def prefixes_clash(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
+def transactional_id_stem(prefix: str) -> str:
+    """What every pooled id of a sink starts with: the prefix and one separator ("orders" ->
+    "orders-"; a prefix that already ends in "-", "." or "_" is used as it is, so "demo-" gives
+    "demo-0", not "demo--0"). Prefix-free prefixes give prefix-free stems: a stem is the prefix or
+    the prefix plus "-", so one stem starting another means one prefix starts the other."""
+    return prefix if prefix.endswith(("-", ".", "_")) else prefix + "-"
+
+
 def transactional_id_for(prefix: str, ordinal: int) -> str:
-    return f"{prefix}-{ordinal}"
+    return f"{transactional_id_stem(prefix)}{ordinal}"
 
 
 def validate_timeouts(transaction_timeout_ms: int, commit_margin_ms: int, broker_max_ms: int) -> None:
@@ -146,7 +154,53 @@ def decide_begin(
     return BeginAction.NEW_ATTEMPT
 
 
+def check_offsets(bound_digest: str | None, given_digest: str | None, batch_id: int) -> None:
+    """A batch is its offsets: a begin over other offsets than the ones bound at the first begin
+    (a checkpoint location restored from an older backup re-plans committed batch ids over new
+    offsets) is refused, never skipped as already committed. A begin without a digest (an older
+    client) is not checked."""
+    if bound_digest is None or given_digest is None or bound_digest == given_digest:
+        return
+    raise e.Conflict(
+        e.OFFSETS_MISMATCH,
+        f"batch {batch_id} was begun over other offsets (digest {bound_digest[:16]}...) than this begin "
+        f"names ({given_digest[:16]}...): Spark re-planned a batch id it had already planned, typically "
+        "because the checkpoint location was restored from an older backup. Skipping it would lose the "
+        "new offsets' data and rewriting it would duplicate the old batch's. Restore the newest checkpoint "
+        "location; or, to start the query over from this checkpoint, have an operator reset the sink's "
+        "lineage (POST /v1/sinks/{sink}/lineage/reset) and start the query from a fresh checkpoint location.",
+        batch_id=batch_id,
+        bound_digest=bound_digest,
+        given_digest=given_digest,
+    )
+
+
 # --- leases and pre-commits ------------------------------------------------------------------
+
+
+def validate_quarantine(quarantine_ms: int, max_lease_age_ms: int, init_timeout_ms: int, request_timeout_ms: int) -> None:
+    """No quick reuse: an id freed from an undecided try stays out of the pool until no try of it
+    can still reach the broker. A try starts InitProducerId only on a lease younger than
+    max_lease_age_ms, and init_transactions gives up after init_timeout_ms (a request already sent
+    may still arrive up to a request timeout later), so the quarantine must exceed their sum."""
+    reach_ms = max_lease_age_ms + init_timeout_ms + request_timeout_ms
+    if quarantine_ms <= reach_ms:
+        raise e.Invalid(
+            "transactional_id_quarantine_too_short",
+            f"transactional_id_quarantine_ms={quarantine_ms} must exceed lease_max_init_age_ms "
+            f"({max_lease_age_ms}) + producer_init_timeout_ms ({init_timeout_ms}) + "
+            f"producer_request_timeout_ms ({request_timeout_ms}) = {reach_ms}: a stalled task try could "
+            "otherwise initialise its id after the id was leased again and fence the new lease's transaction",
+            field="transactional_id_quarantine_ms",
+        )
+
+
+def is_first_try(stage_attempt: int, task_attempt: int) -> bool:
+    """Only the first try of a partition (stage attempt 0, task attempt 0) uses the id pre-leased at
+    begin; every other try leases its own, so no two tries ever share an id."""
+    return stage_attempt == 0 and task_attempt == 0
+
+
 
 
 def check_attempt_writable(attempt: Attempt, current_attempt: int, generation: int) -> None:
@@ -205,21 +259,15 @@ def deadline_too_close(lease: Lease, now: datetime, margin_ms: int) -> bool:
     return lease.deadline_at - now < timedelta(milliseconds=margin_ms)
 
 
-@dataclass(frozen=True)
-class PrecommitRequest:
-    producer_id: int
-    producer_epoch: int
-    records: int
-    bytes: int
-    write_ms: int | None = None  # a figure for operators, not part of the transaction's identity
+PrecommitRequest = PrecommitRecord  # the pre-commit route's name for it
 
 
-def precommit_already_recorded(lease: Lease, request: PrecommitRequest) -> bool:
+def precommit_already_recorded(lease: Lease, request: PrecommitRecord) -> bool:
     """True if this is a retry of the pre-commit that was stored; a different one is refused."""
     if lease.state not in (LeaseState.PRECOMMITTED, LeaseState.COMMITTING, LeaseState.COMMITTED):
         return False
     stored = (lease.producer_id, lease.producer_epoch, lease.records, lease.bytes)
-    given = (request.producer_id, request.producer_epoch, request.records, request.bytes)
+    given = request.identity()
     if stored != given:
         raise e.Conflict(
             e.PRECOMMIT_MISMATCH,
@@ -250,7 +298,12 @@ def check_precommit(lease: Lease, now: datetime, margin_ms: int) -> None:
 @dataclass(frozen=True)
 class CommitPlan:
     winners: tuple[Lease, ...]
-    losers: tuple[Lease, ...]  # undecided leases of the attempt that must end aborted
+    losers: tuple[Lease, ...]  # undecided leases of the attempt that must end aborted (on Kafka)
+    # winners whose pre-commit record came with the commit: stored with the decision
+    records: tuple[tuple[Lease, PrecommitRecord], ...] = ()
+    # first-try pre-leases of partitions that were empty: no producer ever used them, so they are
+    # freed without touching Kafka
+    unused: tuple[Lease, ...] = ()
 
 
 def validate_partition_results(results: Sequence[PartitionResult], max_partitions: int) -> None:
@@ -273,6 +326,7 @@ def plan_commit(
     validate_partition_results(results, max_partitions)
     by_id = {lease.id: lease for lease in attempt_leases}
     winners: list[Lease] = []
+    records: list[tuple[Lease, PrecommitRecord]] = []
     for result in results:
         if result.lease_id is None:
             continue
@@ -289,19 +343,26 @@ def plan_commit(
                 f"lease {lease.id} was taken for partition {lease.partition}, not {result.partition}",
                 lease_id=lease.id,
             )
-        if lease.state is not LeaseState.PRECOMMITTED:
+        if result.precommit is not None and lease.state is LeaseState.LEASED:
+            records.append((lease, result.precommit))
+        elif lease.state is LeaseState.PRECOMMITTED:
+            if result.precommit is not None:
+                precommit_already_recorded(lease, result.precommit)  # the same transaction, or refused
+        else:
             raise e.Conflict(
                 e.WINNER_NOT_PRECOMMITTED,
-                f"lease {lease.id} of partition {lease.partition} is {lease.state}, not PRECOMMITTED",
+                f"lease {lease.id} of partition {lease.partition} is {lease.state}, not PRECOMMITTED"
+                + ("" if lease.state is not LeaseState.LEASED else " (and the commit carries no pre-commit record for it)"),
                 lease_id=lease.id,
                 lease_state=str(lease.state),
             )
         winners.append(lease)
     winner_ids = {w.id for w in winners}
-    losers = tuple(
-        lease for lease in by_id.values() if lease.id not in winner_ids and lease.state in UNDECIDED_LEASE_STATES
-    )
-    return CommitPlan(winners=tuple(winners), losers=losers)
+    empty = {r.partition for r in results if r.lease_id is None}
+    undecided = [x for x in by_id.values() if x.id not in winner_ids and x.state in UNDECIDED_LEASE_STATES]
+    unused = tuple(x for x in undecided if x.first_try and x.state is LeaseState.LEASED and x.partition in empty)
+    losers = tuple(x for x in undecided if x not in unused)
+    return CommitPlan(winners=tuple(winners), losers=losers, records=tuple(records), unused=unused)
 
 
 def check_commit_deadlines(winners: Iterable[Lease], now: datetime, margin_ms: int) -> None:

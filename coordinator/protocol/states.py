@@ -62,7 +62,12 @@ ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
 }
 
 LEASE_TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
-    LeaseState.LEASED: frozenset({LeaseState.PRECOMMITTED, LeaseState.ABORTING}),
+    # LEASED -> COMMITTING: a winner whose pre-commit record came with the commit (stored with the
+    # decision); LEASED -> ABORTED: a first try's pre-lease whose partition was empty (no producer
+    # ever existed on it, so there is nothing to abort on Kafka)
+    LeaseState.LEASED: frozenset(
+        {LeaseState.PRECOMMITTED, LeaseState.COMMITTING, LeaseState.ABORTING, LeaseState.ABORTED}
+    ),
     LeaseState.PRECOMMITTED: frozenset({LeaseState.COMMITTING, LeaseState.ABORTING}),
     LeaseState.COMMITTING: frozenset({LeaseState.COMMITTED, LeaseState.LOST_ABORTING}),
     LeaseState.COMMITTED: frozenset(),

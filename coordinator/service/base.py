@@ -15,7 +15,7 @@ from sqlalchemy import Connection, Engine, select, text, update
 from sqlalchemy.exc import DBAPIError
 
 from .. import metrics
-from ..clock import Clock, SystemClock
+from ..clock import Clock, DatabaseClock
 from ..kafka_control import ControlPlaneError, KafkaControlPlane, KafkaTarget, PreparedTransaction
 from ..protocol import errors as e
 from ..protocol import rules
@@ -45,8 +45,12 @@ class CoordinatorBase:
     ) -> None:
         self.engine = engine
         self.control_plane = control_plane
-        self.clock = clock or SystemClock()
+        self.clock = clock or DatabaseClock(engine)
         self.limits = limits or Limits()
+        rules.validate_quarantine(
+            self.limits.transactional_id_quarantine_ms, self.limits.lease_max_init_age_ms,
+            self.limits.producer_init_timeout_ms, self.limits.producer_request_timeout_ms,
+        )
         self._kafka_pool = ThreadPoolExecutor(max_workers=self.limits.kafka_parallelism, thread_name_prefix="kafka-control")
 
     def close(self) -> None:
@@ -152,7 +156,7 @@ class CoordinatorBase:
         def record(conn: Connection) -> CommitResult | None:
             newly_lost.clear()
             outcome.clear()
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             if refused:  # lock order: sink before checkpoint (the halt is written on the sink)
                 repo.sink_by_name(conn, sink.name, lock="update")
             locked = repo.as_checkpoint(  # lock order: checkpoint before its leases
@@ -160,7 +164,7 @@ class CoordinatorBase:
             )
             done = [x.id for x in pending if x.transactional_id not in failures]
             repo.cas(conn, leases, done, [LeaseState.COMMITTING], LeaseState.COMMITTED, resolved_at=now)
-            repo.release_transactional_ids(conn, done)
+            repo.release_transactional_ids(conn, done, now)  # a committed winner's id: reusable at once
             # refused winners: their ids are fenced on Kafka (LOST_ABORTING) before they are free
             lost_rows = repo.cas(
                 conn, leases, [r.lease.id for r in refused.values()], [LeaseState.COMMITTING], LeaseState.LOST_ABORTING
@@ -319,12 +323,13 @@ class CoordinatorBase:
         failed = {x.transactional_id: str(err) for x, err in zip(to_abort, errors) if err is not None}
 
         def record(conn: Connection) -> None:
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             changed = []
             for old, new in ABORT_PENDING_STATES.items():  # ABORTING -> ABORTED, LOST_ABORTING -> LOST
                 changed += repo.cas(conn, leases, [x.id for x in done if states[x.id] == old.value], [old], new,
                                     resolved_at=now)
-            repo.release_transactional_ids(conn, [r.id for r in changed])
+            # an undecided try may still be alive and reach the broker: no reuse before the quarantine ends
+            repo.release_transactional_ids(conn, [r.id for r in changed], now, now + self.limits.quarantine)
             if changed:
                 repo.add_event(conn, sink.id, "transactions_aborted", "coordinator", now,
                                transactional_ids=[r.transactional_id for r in changed])

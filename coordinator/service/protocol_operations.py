@@ -17,11 +17,11 @@ from .. import metrics
 from ..kafka_control import KafkaTarget
 from ..protocol import errors as e
 from ..protocol import rules
-from ..protocol.model import Attempt, Checkpoint, Lease, PartitionResult, Sink
+from ..protocol.model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PartitionResult, Sink
 from ..protocol.rules import BeginAction, PrecommitRequest
 from ..protocol.states import LOST_LEASE_STATES, UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
 from ..store import repo
-from ..store.tables import attempts, checkpoints, generations, leases, sinks, transactional_ids
+from ..store.tables import attempts, checkpoints, generations, leases, sinks
 from .base import log
 from .reads import Reads
 from .results import AbortOutcome, BeginResult, CommitResult, SinkSpec, _Decision
@@ -83,7 +83,7 @@ class ProtocolOperations(Reads):
                     "start one another, or their transactions could not be told apart",
                     other_sink=clash.name,
                 )
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             sink_id = conn.execute(insert(sinks).values(created_at=now, **values).returning(sinks.c.id)).scalar_one()
             repo.add_event(conn, sink_id, "sink_registered", actor, now, **values)
             return repo.sink_by_name(conn, spec.name), True
@@ -93,7 +93,7 @@ class ProtocolOperations(Reads):
     def _check_new_sink_broker(self, spec: SinkSpec) -> None:
         assert self.control_plane is not None
         target = KafkaTarget(spec.name, spec.bootstrap_servers, spec.transaction_timeout_ms)
-        checks = self.control_plane.check_broker(target, spec.transactional_id_prefix + "-", set())
+        checks = self.control_plane.check_broker(target, rules.transactional_id_stem(spec.transactional_id_prefix), set())
         failed = [c for c in checks if not c.ok and c.verified]
         if failed:
             raise e.Invalid(
@@ -111,7 +111,7 @@ class ProtocolOperations(Reads):
             conn.execute(
                 update(sinks).where(sinks.c.id == sink.id).values(writer_token_version=sink.writer_token_version + 1)
             )
-            repo.add_event(conn, sink.id, "writer_token_rotated", actor, self.clock.now())
+            repo.add_event(conn, sink.id, "writer_token_rotated", actor, self.clock.now_in(conn))
             return repo.sink_by_name(conn, name)
 
         return self._tx(step)
@@ -130,7 +130,7 @@ class ProtocolOperations(Reads):
                 rules.check_generation(sink.generation, known)  # a retry answers the same
                 return known, []
             rules.check_lineage(sink.lineage_query_id, query_id)
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             gen = sink.generation + 1
             conn.execute(update(sinks).where(sinks.c.id == sink.id).values(generation=gen, lineage_query_id=query_id))
             conn.execute(
@@ -175,7 +175,7 @@ class ProtocolOperations(Reads):
                     f"batches {list(committing)} have a decided commit still finishing; resume them first",
                     batch_ids=list(committing),
                 )
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             to_abort = self._abort_open_attempts(conn, sink, "lineage_reset", now)
             conn.execute(
                 update(sinks).where(sinks.c.id == sink.id).values(generation=sink.generation + 1, lineage_query_id=None)
@@ -191,14 +191,27 @@ class ProtocolOperations(Reads):
 
     # --- begin checkpoint ---------------------------------------------------------------------
 
-    def begin_checkpoint(self, name: str, batch_id: int, generation: int, actor: str) -> BeginResult:
+    def begin_checkpoint(
+        self, name: str, batch_id: int, generation: int, actor: str,
+        partitions: int | None = None, offsets_digest: str | None = None,
+    ) -> BeginResult:
+        """Begin (or continue, skip, resume) a batch. With `partitions`, a write answer carries the
+        lease of each partition's first task try, taken in the same transaction as the attempt (so
+        durable before any producer exists); a retried begin answers the same leases.
+        `offsets_digest` binds the batch to the offsets Spark planned for it (first begin that names
+        them); a begin over other offsets is refused loudly (offsets_mismatch event, metric)."""
+        if partitions is not None and partitions != 0:
+            rules.check_partition(partitions - 1, self.limits.max_partitions)
+        mismatch: list[e.Conflict] = []
+
         def step(conn: Connection) -> tuple[BeginAction, Checkpoint, Attempt | None, list[Lease], list[int], list[Lease]]:
+            mismatch.clear()
             sink = repo.sink_by_name(conn, name)
             rules.check_generation(sink.generation, generation)
             rules.check_not_halted(sink)  # lost data: no new batch until an operator acknowledges
             if sink.lineage_query_id is None:  # only after a lineage reset, before a new start
                 raise e.Conflict(e.LINEAGE_NOT_BOUND, "no query is bound to this sink; start a generation first")
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             conn.execute(
                 pg_insert(checkpoints)
                 .values(
@@ -212,6 +225,16 @@ class ProtocolOperations(Reads):
                 .on_conflict_do_nothing()
             )
             cp = repo.checkpoint_for(conn, sink, batch_id, lock=True)
+            try:
+                rules.check_offsets(cp.offsets_digest, offsets_digest, batch_id)
+            except e.Conflict as refusal:  # recorded (this transaction commits), then raised
+                mismatch.append(refusal)
+                repo.add_event(conn, sink.id, "offsets_mismatch", actor, now, cp.id, batch_id=batch_id,
+                               state=str(cp.state), bound_digest=cp.offsets_digest, given_digest=offsets_digest)
+                return BeginAction.SKIP, cp, None, [], [], []
+            if cp.offsets_digest is None and offsets_digest is not None:
+                conn.execute(update(checkpoints).where(checkpoints.c.id == cp.id).values(offsets_digest=offsets_digest))
+                cp = replace(cp, offsets_digest=offsets_digest)
             latest = repo.attempt_of(conn, cp.id, cp.current_attempt) if cp.current_attempt else None
             action = rules.decide_begin(cp.state, latest, generation)
             to_abort: list[Lease] = []
@@ -228,6 +251,7 @@ class ProtocolOperations(Reads):
                             number=number,
                             generation=generation,
                             state=AttemptState.OPEN.value,
+                            partitions=partitions,
                             started_at=now,
                         )
                         .returning(*attempts.c)
@@ -235,7 +259,10 @@ class ProtocolOperations(Reads):
                 )
                 conn.execute(update(checkpoints).where(checkpoints.c.id == cp.id).values(current_attempt=number))
                 cp = replace(cp, current_attempt=number)
-                repo.add_event(conn, sink.id, "attempt_begun", actor, now, cp.id, batch_id=batch_id, attempt=number, generation=generation)
+                repo.add_event(conn, sink.id, "attempt_begun", actor, now, cp.id, batch_id=batch_id, attempt=number,
+                               generation=generation, partitions=partitions)
+                if partitions:
+                    self._pre_lease(conn, sink, cp, latest, partitions, now)
             unfinished = conn.execute(
                 select(checkpoints.c.id).where(
                     checkpoints.c.sink_id == sink.id,
@@ -246,6 +273,10 @@ class ProtocolOperations(Reads):
             return action, cp, latest, to_abort, list(unfinished), self._older_leases(conn, cp.id, latest)
 
         action, cp, attempt, to_abort, unfinished, older = self._tx(step)
+        if mismatch:
+            metrics.OFFSETS_MISMATCH.labels(name).inc()
+            log.error("sink %s: %s", name, mismatch[0].message)
+            raise mismatch[0]
         finished = list(unfinished)
         try:
             for other in unfinished:  # decided commits of earlier batches finish first
@@ -267,13 +298,52 @@ class ProtocolOperations(Reads):
                 cp = repo.checkpoint_for(conn, repo.sink_by_name(conn, name), batch_id)
                 attempt = repo.attempt_of(conn, cp.id, cp.current_attempt) if cp.current_attempt else None
                 older = self._older_leases(conn, cp.id, attempt)
+        pre_leases: list[Lease] = []
+        answered_at = lease_rules = None
+        if attempt is not None and action in (BeginAction.NEW_ATTEMPT, BeginAction.CONTINUE):
+            with self.engine.connect() as conn:  # answered from the record: a retry gets the same leases
+                pre_leases = repo.leases_where(
+                    conn, leases.c.attempt_id == attempt.id, leases.c.task_attempt_id == FIRST_TRY_TASK_ATTEMPT,
+                    leases.c.state == LeaseState.LEASED.value,
+                )
+                answered_at = self.clock.now_in(conn) if pre_leases else None
+                sink = repo.sink_by_name(conn, name)
+            lease_rules = dict(
+                commit_margin_ms=sink.commit_margin_ms,
+                max_lease_init_age_ms=self.limits.lease_max_init_age_ms,
+                producer_init_timeout_ms=self.limits.producer_init_timeout_ms,
+                producer_request_timeout_ms=self.limits.producer_request_timeout_ms,
+            )
         return BeginResult(
             action=action,
             checkpoint=cp,
             attempt=attempt,
             older_aborted=[x.transactional_id for x in older if x.state is LeaseState.ABORTED],
             older_abort_pending=[x.transactional_id for x in older if x.state is LeaseState.ABORTING],
+            pre_leases=pre_leases,
+            answered_at=answered_at,
+            lease_rules=lease_rules,
         )
+
+    def _pre_lease(self, conn: Connection, sink: Sink, cp: Checkpoint, attempt: Attempt, partitions: int,
+                   now: datetime) -> None:
+        """One lease per partition for its first task try, in the attempt's own transaction."""
+        taken = repo.take_free_transactional_ids(
+            conn, sink, partitions, now, lambda n: rules.transactional_id_for(sink.transactional_id_prefix, n)
+        )
+        deadline = rules.transaction_deadline(now, sink.transaction_timeout_ms)
+        rows = conn.execute(
+            insert(leases)
+            .values([
+                dict(sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, partition=p,
+                     task_attempt_id=FIRST_TRY_TASK_ATTEMPT, transactional_id=tid, state=LeaseState.LEASED.value,
+                     leased_at=now, deadline_at=deadline)
+                for p, (_, tid) in enumerate(taken)
+            ])
+            .returning(leases.c.id, leases.c.partition)
+        ).all()
+        by_partition = {r.partition: r.id for r in rows}
+        repo.hand_out_transactional_ids(conn, [(row_id, by_partition[p]) for p, (row_id, _) in enumerate(taken)])
 
     @staticmethod
     def _older_leases(conn: Connection, checkpoint_id: int, current: Attempt | None) -> list[Lease]:
@@ -325,6 +395,9 @@ class ProtocolOperations(Reads):
     ) -> Lease:
         """Lease a transactional id to one task attempt of one partition."""
         rules.check_partition(partition, self.limits.max_partitions)
+        if task_attempt_id == FIRST_TRY_TASK_ATTEMPT:
+            raise e.Invalid("invalid_task_attempt_id", f"task_attempt_id {task_attempt_id} is reserved for the "
+                            "leases begin takes for first task tries", field="task_attempt_id")
 
         def existing(conn: Connection, attempt_id: int) -> Lease | None:
             found = repo.leases_where(
@@ -349,10 +422,10 @@ class ProtocolOperations(Reads):
             if again is not None:
                 return again
             rules.check_attempt_writable(attempt, cp.current_attempt, generation)
-            tid_row, tid = repo.take_free_transactional_id(
-                conn, sink, lambda n: rules.transactional_id_for(sink.transactional_id_prefix, n)
+            now = self.clock.now_in(conn)
+            ((tid_row, tid),) = repo.take_free_transactional_ids(
+                conn, sink, 1, now, lambda n: rules.transactional_id_for(sink.transactional_id_prefix, n)
             )
-            now = self.clock.now()
             row = conn.execute(
                 insert(leases)
                 .values(
@@ -368,11 +441,7 @@ class ProtocolOperations(Reads):
                 )
                 .returning(*leases.c)
             ).one()
-            conn.execute(
-                update(transactional_ids)
-                .where(transactional_ids.c.id == tid_row, transactional_ids.c.state == "FREE")
-                .values(state="LEASED", lease_id=row.id)
-            )
+            repo.hand_out_transactional_ids(conn, [(tid_row, row.id)])
             return repo.as_lease(row)
 
         try:
@@ -402,7 +471,7 @@ class ProtocolOperations(Reads):
                 select(checkpoints.c.current_attempt).where(checkpoints.c.id == lease.checkpoint_id)
             ).scalar_one()
             rules.check_attempt_writable(attempt, cp_current, generation)
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             rules.check_precommit(lease, now, sink.commit_margin_ms)
             (row,) = repo.cas(
                 conn,
@@ -467,7 +536,7 @@ class ProtocolOperations(Reads):
                 raise e.Conflict(e.DEADLINE_TOO_CLOSE, f"attempt {attempt_number} was aborted by the timeout gate")
             rules.check_attempt_writable(attempt, cp.current_attempt, generation)
             attempt_leases = repo.leases_where(conn, leases.c.attempt_id == attempt.id, lock=True)
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             try:
                 plan = rules.plan_commit(attempt_leases, results, self.limits.max_partitions)
             except e.Conflict as refusal:
@@ -488,8 +557,19 @@ class ProtocolOperations(Reads):
                                  decided_at=now, committed_attempt=attempt_number)
             (attempt_row,) = repo.cas(conn, attempts, [attempt.id], [AttemptState.OPEN], AttemptState.COMMITTING,
                                       decided_at=now, partitions=len(results), job_ms=job_ms)
-            winners = repo.cas(conn, leases, [w.id for w in plan.winners], [LeaseState.PRECOMMITTED], LeaseState.COMMITTING)
+            # the records that came with the commit are stored with the decision (one transaction)
+            recorded = {lease.id for lease, _ in plan.records}
+            winners = repo.decide_winners_with_records(conn, [(lease.id, r) for lease, r in plan.records], now)
+            winners += repo.cas(conn, leases, [w.id for w in plan.winners if w.id not in recorded],
+                                [LeaseState.PRECOMMITTED], LeaseState.COMMITTING)
+            winners.sort(key=lambda r: r.id)
+            if len(winners) != len(plan.winners):
+                raise AssertionError("a winner changed state under the decision's locks")
             losers = repo.cas(conn, leases, [x.id for x in plan.losers], UNDECIDED_LEASE_STATES, LeaseState.ABORTING)
+            # first-try leases of empty partitions: no producer ever used them, free at once
+            unused = repo.cas(conn, leases, [x.id for x in plan.unused], [LeaseState.LEASED], LeaseState.ABORTED,
+                              resolved_at=now)
+            repo.release_transactional_ids(conn, [r.id for r in unused], now)
             repo.add_event(
                 conn, sink.id, "commit_decided", actor, now, cp.id, batch_id=batch_id, attempt=attempt_number,
                 winners=[[w.partition, w.id, w.transactional_id] for w in plan.winners],
@@ -552,7 +632,7 @@ class ProtocolOperations(Reads):
                     checkpoints.c.sink_id == sink.id, checkpoints.c.state == CheckpointState.LOST.value
                 ).order_by(checkpoints.c.batch_id)
             ).scalars().all()
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             conn.execute(update(sinks).where(sinks.c.id == sink.id).values(halted_reason=None, halted_at=None))
             repo.add_event(
                 conn, sink.id, "lost_data_acknowledged", actor, now,
@@ -585,7 +665,7 @@ class ProtocolOperations(Reads):
                 return None  # a retry, or aborted earlier for another reason
             if attempt.state is not AttemptState.OPEN:
                 raise e.Conflict(e.COMMIT_DECIDED, f"attempt {attempt_number} is {attempt.state}; it can no longer be aborted")
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             return self._abort_attempt_rows(conn, sink, [attempt.id], reason, now, actor)
 
         to_abort = self._tx(step)

@@ -88,7 +88,7 @@ class RecoveryOperations(Reads):
                 leases.c.attempt_id.in_(open_attempts),
             )
             attempt_rows = [repo.attempt_by_id(conn, a) for a in {x.attempt_id for x in candidates}]
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             expired = recovery_rules.expired_leases(candidates, attempt_rows, now, sink.commit_margin_ms)
             if not expired:
                 return []
@@ -122,7 +122,7 @@ class RecoveryOperations(Reads):
                 leases.c.sink_id == sink.id,
                 leases.c.state.in_([LeaseState.PRECOMMITTED.value, LeaseState.COMMITTING.value]),
             )
-            now = self.clock.now()
+            now = self.clock.now_in(conn)
             near = recovery_rules.near_timeout(live, now, sink.transaction_timeout_ms, fraction)
             if not near:
                 return [], []
@@ -166,7 +166,7 @@ class RecoveryOperations(Reads):
             raise e.Unavailable(e.NO_CONTROL_PLANE, "no Kafka control plane configured to sweep the broker")
         sink = self.get_sink(name)
         target = _target(sink)
-        open_now = self.control_plane.list_open_transactions(target, sink.transactional_id_prefix + "-")
+        open_now = self.control_plane.list_open_transactions(target, rules.transactional_id_stem(sink.transactional_id_prefix))
         if not open_now:
             return SweepOutcome()
         # read after listing: a transaction open at listing time was leased before it (a lease is
@@ -176,9 +176,8 @@ class RecoveryOperations(Reads):
         if not found:
             return SweepOutcome()
         metrics.LINGERING_FOUND.labels(name).inc(len(found))
-        now = self.clock.now()
         self._tx(lambda conn: repo.add_event(
-            conn, sink.id, "lingering_transactions_found", "recovery", now,
+            conn, sink.id, "lingering_transactions_found", "recovery", self.clock.now_in(conn),
             transactions=[dict(transactional_id=t.transactional_id, producer_id=t.producer_id,
                                producer_epoch=t.producer_epoch, state=t.state, started_at_ms=t.started_at_ms,
                                partitions=[list(p) for p in t.partitions]) for t in found],
@@ -226,10 +225,10 @@ class RecoveryOperations(Reads):
                 try:
                     control_plane.abort(target, tid)
                 except ControlPlaneError as exc:
-                    repo.add_event(conn, sink.id, "lingering_abort_failed", "recovery", self.clock.now(),
+                    repo.add_event(conn, sink.id, "lingering_abort_failed", "recovery", self.clock.now_in(conn),
                                    transactional_id=tid, error=str(exc))
                     return str(exc) or exc.code
-                repo.add_event(conn, sink.id, "lingering_transaction_aborted", "recovery", self.clock.now(),
+                repo.add_event(conn, sink.id, "lingering_transaction_aborted", "recovery", self.clock.now_in(conn),
                                transactional_id=tid, producer_id=txn.producer_id, producer_epoch=txn.producer_epoch,
                                in_pool=row is not None)
                 return None
@@ -244,6 +243,6 @@ class RecoveryOperations(Reads):
         def step(conn: Connection) -> None:
             sink = repo.sink_by_name(conn, name)
             cp_id = repo.checkpoint_for(conn, sink, batch_id).id if batch_id is not None else None
-            repo.add_event(conn, sink.id, kind, actor, self.clock.now(), cp_id, **detail)
+            repo.add_event(conn, sink.id, kind, actor, self.clock.now_in(conn), cp_id, **detail)
 
         self._tx(step)

@@ -4,6 +4,7 @@ the dashboard and the tests read them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
 from ..kafka_control import OpenTransaction
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
@@ -14,10 +15,22 @@ from ..protocol.rules import BeginAction
 class Limits:
     max_partitions: int = 4096
     broker_max_transaction_timeout_ms: int = 900_000  # Kafka's default transaction.max.timeout.ms
-    restart_budget_ms: int = 60_000
+    restart_budget_ms: int = 20_000
     # Kafka commits/aborts of one checkpoint run this many at a time; 1 runs them in order (the
     # simulation needs that, so a seed replays the same schedule).
     kafka_parallelism: int = 16
+    # No quick reuse (DESIGN §3 Revisions): an executor starts init_transactions only on a lease
+    # younger than lease_max_init_age_ms, gives init_transactions producer_init_timeout_ms and its
+    # requests producer_request_timeout_ms (all three sent to the driver with begin), so an id freed
+    # from an undecided try is reused only after a quarantine longer than their sum.
+    lease_max_init_age_ms: int = 30_000
+    producer_init_timeout_ms: int = 60_000
+    producer_request_timeout_ms: int = 60_000
+    transactional_id_quarantine_ms: int = 180_000
+
+    @property
+    def quarantine(self) -> timedelta:
+        return timedelta(milliseconds=self.transactional_id_quarantine_ms)
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,12 @@ class BeginResult:
     attempt: Attempt | None
     older_aborted: list[str]
     older_abort_pending: list[str]
+    # with a write answer and a partition count: the lease of each partition's first task try
+    pre_leases: list[Lease] = field(default_factory=list)
+    answered_at: datetime | None = None  # the database's time when the pre-leases were read (their age)
+    # what tasks must respect (commit_margin_ms, max_lease_init_age_ms, producer_init_timeout_ms,
+    # producer_request_timeout_ms), with a write answer
+    lease_rules: dict[str, int] | None = None
 
     @property
     def must_write(self) -> bool:

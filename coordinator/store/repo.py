@@ -7,19 +7,21 @@ machine and updates only rows still in the expected old state.
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from enum import StrEnum
 from functools import cache
 from typing import Any
 
-from sqlalchemy import ClauseElement, Connection, Row, Select, Table, Update, bindparam, func, insert, select, update
+from sqlalchemy import ClauseElement, Connection, Row, Select, Table, Update, bindparam, func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from ..protocol import errors as e
 from ..protocol.invariants import Snapshot
 from ..protocol.model import Alert, Attempt, Checkpoint, Lease, Sink, TransactionalId
-from ..protocol.states import TransactionalIdState, require_transition
+from ..protocol.states import LeaseState, TransactionalIdState, require_transition
 from .tables import attempts, checkpoints, events, leases, sinks, transactional_ids
 
 
@@ -237,67 +239,101 @@ def attempt_of_lease(conn: Connection, sink: Sink, lease_id: int, lock: str | No
 # --- the transactional id pool ---------------------------------------------------------------
 
 
-_LOWEST_FREE_ID = (
+_FREE_IDS = (
     select(transactional_ids.c.id, transactional_ids.c.transactional_id)
     .where(
         transactional_ids.c.sink_id == bindparam("sink_id"),
         transactional_ids.c.state == TransactionalIdState.FREE.value,
+        (transactional_ids.c.reusable_at.is_(None)) | (transactional_ids.c.reusable_at <= bindparam("now")),
     )
-    .order_by(transactional_ids.c.ordinal)
-    .limit(1)
+    .order_by(transactional_ids.c.released_at, transactional_ids.c.ordinal)
+    .limit(bindparam("n"))
     .with_for_update(skip_locked=True)
 )
 
 
-def take_free_transactional_id(conn: Connection, sink: Sink, prefix_for: Any) -> tuple[int, str]:
-    """Lock the lowest FREE id of the sink (SKIP LOCKED, so concurrent executors never wait on each
-    other), or grow the pool by one. The row stays locked by this transaction until it commits.
+def take_free_transactional_ids(conn: Connection, sink: Sink, n: int, now: datetime, prefix_for: Any) -> list[tuple[int, str]]:
+    """Lock n FREE ids of the sink, least recently released first and none still in quarantine
+    (SKIP LOCKED, so concurrent callers never wait on each other), growing the pool for the rest.
+    The rows stay locked by this transaction until it commits.
 
-    Growing takes a per-sink advisory lock held to commit, so growers take turns: without it, N
-    concurrent growers all race for the same next ordinal, one wins per round, and the N-th needs
-    N rounds (a spurious pool_exhausted past 64, and a racy max_pool_size check)."""
+    Growing takes a per-sink advisory lock held to commit, so growers take turns: without it,
+    concurrent growers race for the same next ordinals (a spurious pool_exhausted and a racy
+    max_pool_size check)."""
+    taken: list[tuple[int, str]] = []
     growing = False
     for _ in range(64):
-        row = conn.execute(_LOWEST_FREE_ID, {"sink_id": sink.id}).first()
-        if row is not None:
-            return row.id, row.transactional_id
+        rows = conn.execute(_FREE_IDS, {"sink_id": sink.id, "now": now, "n": n - len(taken)}).all()
+        taken += [(r.id, r.transactional_id) for r in rows if (r.id, r.transactional_id) not in taken]
+        if len(taken) == n:
+            return taken
         if not growing:
             # the two-key form: its key space never overlaps the single-key locks used elsewhere
             conn.execute(
                 select(func.pg_advisory_xact_lock(func.hashtext("coordinator.pool_growth"), func.hashtext(str(sink.id))))
             )
             growing = True
-            continue  # look for a FREE id again: one may have been released while we waited
+            continue  # look for FREE ids again: some may have been released while we waited
         size, next_ordinal = conn.execute(
             select(func.count(), func.coalesce(func.max(transactional_ids.c.ordinal) + 1, 0)).where(
                 transactional_ids.c.sink_id == sink.id
             )
         ).one()
-        if size >= sink.max_pool_size:
+        wanted = n - len(taken)
+        if size + wanted > sink.max_pool_size:
             raise e.Unavailable(
                 e.POOL_EXHAUSTED,
-                f"sink {sink.name!r} has all {sink.max_pool_size} transactional ids leased or awaiting "
-                "abort; retry later, or raise max_pool_size if partitions x task attempts need more",
+                f"sink {sink.name!r} has all {sink.max_pool_size} transactional ids leased, awaiting abort "
+                "or in quarantine; retry later, or raise max_pool_size if partitions x task attempts need more",
                 max_pool_size=sink.max_pool_size,
             )
-        tid = prefix_for(next_ordinal)
         new = conn.execute(
             pg_insert(transactional_ids)
-            .values(sink_id=sink.id, ordinal=next_ordinal, transactional_id=tid, state=TransactionalIdState.FREE.value)
+            .values([
+                dict(sink_id=sink.id, ordinal=o, transactional_id=prefix_for(o), state=TransactionalIdState.FREE.value)
+                for o in range(next_ordinal, next_ordinal + wanted)
+            ])
             .on_conflict_do_nothing()
-            .returning(transactional_ids.c.id)
-        ).first()
-        if new is not None:
-            return new.id, tid
-    raise e.Unavailable(e.POOL_EXHAUSTED, "could not take a transactional id under contention; retry")
+            .returning(transactional_ids.c.id, transactional_ids.c.transactional_id)
+        ).all()
+        taken += [(r.id, r.transactional_id) for r in new]
+        if len(taken) == n:
+            return taken
+    raise e.Unavailable(e.POOL_EXHAUSTED, "could not take transactional ids under contention; retry")
 
 
-def release_transactional_ids(conn: Connection, lease_ids: Sequence[int]) -> None:
-    """The leases are resolved (committed or aborted on Kafka): their ids may be leased again."""
+def take_free_transactional_id(conn: Connection, sink: Sink, now: datetime, prefix_for: Any) -> tuple[int, str]:
+    (taken,) = take_free_transactional_ids(conn, sink, 1, now, prefix_for)
+    return taken
+
+
+def hand_out_transactional_ids(conn: Connection, pairs: Sequence[tuple[int, int]]) -> None:
+    """(transactional id row, lease id) pairs: each FREE id (locked by take_free_transactional_ids)
+    becomes LEASED by its lease, in one statement."""
+    if not pairs:
+        return
+    require_transition(TransactionalIdState.FREE, TransactionalIdState.LEASED)
+    conn.execute(_HAND_OUT_IDS, {"tid_rows": [p[0] for p in pairs], "lease_ids": [p[1] for p in pairs]})
+
+
+_HAND_OUT_IDS = text(
+    "UPDATE transactional_ids AS t SET state = 'LEASED', lease_id = v.lease_id "
+    "FROM unnest(CAST(:tid_rows AS bigint[]), CAST(:lease_ids AS bigint[])) AS v(id, lease_id) "
+    "WHERE t.id = v.id AND t.state = 'FREE'"
+)
+
+
+def release_transactional_ids(
+    conn: Connection, lease_ids: Sequence[int], now: datetime, quarantine_until: datetime | None = None
+) -> None:
+    """The leases are resolved (committed or aborted on Kafka): their ids may be leased again, at
+    once, or -- an id freed from an undecided try -- only after `quarantine_until`."""
     if not lease_ids:
         return
     require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
-    conn.execute(_RELEASE_IDS, {"released_lease_ids": list(lease_ids)})
+    conn.execute(
+        _RELEASE_IDS, {"released_lease_ids": list(lease_ids), "released_at": now, "reusable_at": quarantine_until}
+    )
 
 
 _RELEASE_IDS = (
@@ -306,8 +342,43 @@ _RELEASE_IDS = (
         transactional_ids.c.lease_id.in_(bindparam("released_lease_ids", expanding=True)),
         transactional_ids.c.state == TransactionalIdState.LEASED.value,
     )
-    .values(state=TransactionalIdState.FREE.value, lease_id=None)
+    .values(
+        state=TransactionalIdState.FREE.value,
+        lease_id=None,
+        released_at=bindparam("released_at"),
+        reusable_at=bindparam("reusable_at", type_=transactional_ids.c.reusable_at.type),
+    )
 )
+
+
+def decide_winners_with_records(conn: Connection, records: Sequence[tuple[int, Any]], now: datetime) -> list[Row]:
+    """Winners whose pre-commit records came with the commit: LEASED -> COMMITTING with producer id,
+    epoch, counts and first offsets stored, in one statement (the caller's decision transaction)."""
+    if not records:
+        return []
+    require_transition(LeaseState.LEASED, LeaseState.COMMITTING)
+    rows = conn.execute(_DECIDE_WITH_RECORDS, {
+        "ids": [lid for lid, _ in records],
+        "pids": [r.producer_id for _, r in records],
+        "epochs": [r.producer_epoch for _, r in records],
+        "records": [r.records for _, r in records],
+        "bytes": [r.bytes for _, r in records],
+        "write_ms": [r.write_ms for _, r in records],
+        "first_offsets": [json.dumps(r.first_offsets) if r.first_offsets is not None else None for _, r in records],
+        "now": now,
+    }).all()
+    return _by_id(rows)
+
+
+_DECIDE_WITH_RECORDS = text(
+    "UPDATE leases AS l SET state = 'COMMITTING', producer_id = v.pid, producer_epoch = v.epoch, "
+    "records = v.records, bytes = v.bytes, write_ms = v.write_ms, first_offsets = CAST(v.first_offsets AS jsonb), "
+    "precommitted_at = :now "
+    "FROM unnest(CAST(:ids AS bigint[]), CAST(:pids AS bigint[]), CAST(:epochs AS int[]), CAST(:records AS bigint[]), "
+    "CAST(:bytes AS bigint[]), CAST(:write_ms AS bigint[]), CAST(:first_offsets AS text[])) "
+    "AS v(id, pid, epoch, records, bytes, write_ms, first_offsets) "
+    "WHERE l.id = v.id AND l.state = 'LEASED' RETURNING l.*"
+).columns(*leases.c)
 
 
 # --- whole-state snapshot (tests, invariant checks, simulation) ----------------------------------

@@ -81,6 +81,9 @@ checkpoints = Table(
     Column("committed_at", TS, nullable=True),
     Column("lost_reason", String(2000), nullable=True),
     Column("lost_at", TS, nullable=True),
+    # the digest of the offsets Spark planned for the batch, bound at the first begin that names
+    # them: a begin over other offsets (a checkpoint restored from a backup) is refused
+    Column("offsets_digest", String(128), nullable=True),
     UniqueConstraint("sink_id", "query_id", "batch_id"),
     _states("OPEN", "COMMITTING", "COMMITTED", "LOST"),
     # the recovery loop looks for COMMITTING checkpoints; listing by state per sink
@@ -117,10 +120,15 @@ transactional_ids = Table(
     Column("transactional_id", String(255), nullable=False, unique=True),
     Column("state", String(16), nullable=False),
     Column("lease_id", BigInteger, nullable=True),
+    # when its last lease was resolved (least recently used first), and, for an id freed from an
+    # undecided try, the end of its quarantine: no lease before then (a zombie try may still reach
+    # the broker with InitProducerId until then)
+    Column("released_at", TS, nullable=True),
+    Column("reusable_at", TS, nullable=True),
     UniqueConstraint("sink_id", "ordinal"),
     _states("FREE", "LEASED"),
-    # the pool's hot query: lowest free ordinal, FOR UPDATE SKIP LOCKED
-    Index("ix_transactional_ids_free", "sink_id", "ordinal", postgresql_where=text("state = 'FREE'")),
+    # the pool's hot query: least recently released free id, FOR UPDATE SKIP LOCKED
+    Index("ix_transactional_ids_free_lru", "sink_id", "released_at", "ordinal", postgresql_where=text("state = 'FREE'")),
 )
 
 leases = Table(
@@ -143,6 +151,8 @@ leases = Table(
     Column("precommitted_at", TS, nullable=True),
     Column("resolved_at", TS, nullable=True),
     Column("write_ms", BigInteger, nullable=True),
+    # [[topic, partition, offset], ...]: the first offset the transaction wrote per topic-partition
+    Column("first_offsets", JSONB, nullable=True),
     UniqueConstraint("attempt_id", "partition", "task_attempt_id"),
     _states("LEASED", "PRECOMMITTED", "COMMITTING", "COMMITTED", "ABORTING", "ABORTED", "LOST_ABORTING", "LOST"),
     Index(None, "checkpoint_id"),

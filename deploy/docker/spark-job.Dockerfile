@@ -1,5 +1,6 @@
 # The example Spark job and the read_committed verifier (build context: the repository root):
 #   docker build -f deploy/docker/spark-job.Dockerfile -t spark-eos-job .
+# [spark] gives pyspark; [server] the Kafka wire client the verifier lists open transactions with.
 # PySpark needs a Java 17 runtime: Debian bookworm's openjdk-17-jre-headless. procps gives the e2e
 # suite `pkill` to kill a PySpark Python worker (an executor task's process) inside the container.
 
@@ -14,7 +15,7 @@ COPY e2e ./e2e
 RUN pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/venv \
  && WHEEL=$(ls /wheels/*.whl) \
- && /opt/venv/bin/pip install "${WHEEL}[spark]"
+ && /opt/venv/bin/pip install "${WHEEL}[spark,server]"
 
 FROM python:3.11-slim-bookworm
 # not pinned to Debian revisions (DL3008): bookworm's security updates replace them

@@ -1,0 +1,76 @@
+"""A sink whose broker cannot be reached, on a coordinator with the real Kafka control plane (the
+default): registration refuses it unless check_broker=false (then the answer warns), a minute of the
+recovery loop retrying it writes a bounded number of log lines, and SIGTERM stops the process within
+seconds. The "broker" is a free loopback port nobody listens on (connection refused at once), as
+when Kafka is down."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+from servers import ServiceProcess, free_port
+
+from coordinator.logs import RepeatLimit, subject
+
+ADMIN = "unreachable-broker-admin"
+
+
+def test_repeat_limit_lets_one_line_per_subject_and_interval_through_and_counts_the_rest() -> None:
+    now = [0.0]
+    limit = RepeatLimit(interval_s=60, clock=lambda: now[0])
+
+    def record(name: str, msg: str, level: int = logging.WARNING) -> logging.LogRecord:
+        return logging.LogRecord(name, level, __file__, 1, msg, (), None)
+
+    shown = []
+    for i in range(600):  # ten minutes of a retry every second, from two loggers
+        now[0] = float(i)
+        for r in (record("kafka.net.manager", f"Bootstrap connection to 127.0.0.1:9 failed (backoff {i % 7}.{i} secs)"),
+                  record("coordinator.recovery", f"step sweep of sink down failed ({i + 1} in a row; next try in 2.0 s)")):
+            if limit.filter(r):
+                shown.append(r.getMessage())
+    assert len(shown) == 20, shown  # one per logger per minute
+    assert "(59 similar line(s) in the last 60 s not shown)" in shown[2]
+    # other loggers, and other brokers, are not held back
+    assert limit.filter(record("coordinator.api", "x")) and limit.filter(record("coordinator.api", "x"))
+    assert limit.filter(record("kafka.net.manager", "Bootstrap connection to 127.0.0.2:9 failed"))
+    assert subject("connect to kafka-1:9092 failed after 3 tries") == "kafka-1:9092"
+
+
+@pytest.mark.slow
+def test_an_unreachable_broker_is_refused_then_retried_quietly_and_shutdown_is_fast(database_url: str,
+                                                                                   tmp_path: Path) -> None:
+    broker = f"127.0.0.1:{free_port()}"
+    svc = ServiceProcess(database_url, ADMIN, tmp_path, env={
+        "COORDINATOR_KAFKA_CONTROL_PLANE": "kafka",
+        "COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS": "1000",
+        "COORDINATOR_KAFKA_RETRY_BUDGET_MS": "3000",
+        "COORDINATOR_RECOVERY_INTERVAL_MS": "500",
+    })
+    with svc:
+        admin = svc.client(ADMIN)
+        body = {"bootstrap_servers": broker, "topics": ["out"]}
+        refused = admin.register_sink("down", "down", expect=422, **body)
+        assert refused["error"]["reason"] == "broker_check_failed"
+        assert "check_broker=false" in refused["error"]["message"]
+        answer = admin.register_sink("down", "down", check_broker=False, expect=201, **body)
+        assert answer["warnings"] and f"the broker {broker} was not checked" in answer["warnings"][0]
+        # the same registration again: 200, from the record, no new warning
+        assert admin.register_sink("down", "down", check_broker=False, expect=200, **body)["warnings"] == []
+        admin.close()
+
+        time.sleep(5)  # the recovery loop is sweeping the sink's broker by now
+        before = len(svc.log_path.read_text().splitlines())
+        time.sleep(60)
+        lines = svc.log_path.read_text().splitlines()[before:]
+        assert any(broker in line for line in lines), "the broker's failures were not logged at all:\n" + "\n".join(lines)
+        assert len(lines) <= 30, f"{len(lines)} log lines in a minute of an unreachable broker:\n" + "\n".join(lines)
+
+        started = time.monotonic()
+        code = svc.stop(timeout_s=30)
+        took = time.monotonic() - started
+    assert code == 0, svc.log()
+    assert took < 8, f"SIGTERM took {took:.1f} s"

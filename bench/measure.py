@@ -289,6 +289,45 @@ def floor(url: str, seconds: float, threads: int) -> dict[str, float]:
     return {"update_tx_per_s": update_rate, "select1_per_s": n / (time.monotonic() - started), "threads": threads}
 
 
+def statement_cost(url: str, n: int = 1000) -> dict[str, float]:
+    """CPU µs of this process per one-row SELECT by primary key, the same query three ways: a cached
+    SQLAlchemy Core statement (as the store runs its hot statements), the driver's connection
+    under SQLAlchemy, raw psycopg. What a statement costs the coordinator beyond Postgres."""
+    import psycopg
+    from sqlalchemy import bindparam, column, create_engine, select, table
+
+    from coordinator.store.db import sqlalchemy_url
+
+    floor_table = table("bench_floor", column("id"), column("n"))
+    stmt = select(floor_table.c.id, floor_table.c.n).where(floor_table.c.id == bindparam("id"))
+    sql = "SELECT id, n FROM bench_floor WHERE id = %s"
+    out = {}
+    engine = create_engine(sqlalchemy_url(url), pool_size=1)
+    try:
+        with engine.connect() as conn:
+            driver = conn.connection.driver_connection
+            for name, run in (
+                ("sqlalchemy_us", lambda: conn.execute(stmt, {"id": 0}).first()),
+                ("driver_us", lambda: driver.execute(sql, (0,)).fetchone()),
+            ):
+                for _ in range(50):
+                    run()
+                t = time.process_time()
+                for _ in range(n):
+                    run()
+                out[name] = 1e6 * (time.process_time() - t) / n
+    finally:
+        engine.dispose()
+    with psycopg.connect(plain_url(url)) as conn:
+        for _ in range(50):
+            conn.execute(sql, (0,)).fetchone()
+        t = time.process_time()
+        for _ in range(n):
+            conn.execute(sql, (0,)).fetchone()
+        out["psycopg_us"] = 1e6 * (time.process_time() - t) / n
+    return out
+
+
 # --- figure lines --------------------------------------------------------------------------------
 
 

@@ -42,7 +42,7 @@ for p in (str(BENCH), str(ROOT)):  # `python bench/protocol_bench.py` from a che
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from measure import figure_line, floor, log, pg_settings, start_embedded_postgres  # noqa: E402
+from measure import figure_line, floor, log, pg_settings, start_embedded_postgres, statement_cost  # noqa: E402
 from protocol_clients import Server, register_http, register_inprocess, sink_names  # noqa: E402
 from protocol_load import CALLS, check_record, run_load, split  # noqa: E402
 
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.floor_seconds > 0:
             log(f"floor: raw psycopg one-row update transactions, {args.floor_threads} connections, one process")
             floor_figures = floor(url, args.floor_seconds, args.floor_threads)
+            floor_figures.update(statement_cost(url))
         for mode in modes:
             server = None
             try:
@@ -235,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     if floor_figures:
         print(figure_line("floor", update_tx_per_s=floor_figures["update_tx_per_s"],
                           select1_per_s=floor_figures["select1_per_s"], connections=args.floor_threads))
+        # CPU per one-row SELECT in the client: a cached SQLAlchemy Core statement vs the driver
+        print(figure_line("statement_cost", **{k: floor_figures[k] for k in ("sqlalchemy_us", "driver_us", "psycopg_us")}))
         for r in results:
             # how many of the floor's one-row transactions a batch costs, in time
             print(figure_line(f"ratio P={r['partitions']} {r['mode']}",

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,6 +22,18 @@ class Rejected(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
+
+
+class Begun(NamedTuple):
+    attempt: int | None  # None: the batch is already committed
+    pre_leases: list[tuple[int, int]]  # (partition, lease id) of each first try, in the two-call protocol
+
+
+class Record(NamedTuple):
+    """A task's pre-commit record (what its flushed transaction holds)."""
+
+    producer_id: int
+    records: int
 
 
 class InprocessSink:
@@ -34,9 +46,19 @@ class InprocessSink:
         gen, _ = self.c.start_generation(self.name, query_id, run_id, self.actor)
         return gen
 
-    def begin(self, batch_id: int, generation: int) -> int | None:
-        r = self.c.begin_checkpoint(self.name, batch_id, generation, self.actor)
-        return r.attempt.number if r.must_write else None
+    @property
+    def pre_leases(self) -> bool:
+        """Whether this coordinator's begin pre-leases the first tries' ids (the two-call protocol)."""
+        import inspect
+
+        return "partitions" in inspect.signature(self.c.begin_checkpoint).parameters
+
+    def begin(self, batch_id: int, generation: int, partitions: int | None = None) -> Begun:
+        extra = {} if partitions is None else {"partitions": partitions}
+        r = self.c.begin_checkpoint(self.name, batch_id, generation, self.actor, **extra)
+        if not r.must_write:
+            return Begun(None, [])
+        return Begun(r.attempt.number, [(x.partition, x.id) for x in getattr(r, "pre_leases", [])])
 
     def lease(self, batch_id: int, attempt: int, generation: int, partition: int, task_attempt_id: int) -> int:
         return self.c.begin_partition(self.name, batch_id, attempt, generation, partition, task_attempt_id).id
@@ -46,10 +68,18 @@ class InprocessSink:
 
         self.c.precommit(self.name, lease_id, generation, PrecommitRequest(producer_id, 0, records, records * 100))
 
-    def commit(self, batch_id: int, attempt: int, generation: int, winners: list[tuple[int, int]]) -> int:
+    def commit(self, batch_id: int, attempt: int, generation: int, winners: list[tuple[int, int]],
+               records: list[Record] | None = None) -> int:
+        """Name the winners; with `records` (the two-call protocol) each carries its pre-commit record."""
         from coordinator.protocol.model import PartitionResult
 
-        results = [PartitionResult(p, lid) for p, lid in winners]
+        if records is None:
+            results = [PartitionResult(p, lid) for p, lid in winners]
+        else:
+            from coordinator.protocol.model import PrecommitRecord
+
+            results = [PartitionResult(p, lid, PrecommitRecord(r.producer_id, 0, r.records, r.records * 100))
+                       for (p, lid), r in zip(winners, records)]
         return len(self.c.commit(self.name, batch_id, attempt, generation, results, self.actor).winners)
 
 
@@ -91,6 +121,12 @@ class HttpSink:
                 raise Rejected(f"http_{r.status_code}", r.text[:300]) from None
         return r.json()
 
+    @property
+    def pre_leases(self) -> bool:
+        """Whether the server's begin takes a partition count (the two-call protocol)."""
+        schema = self._client().get(self.base.split("/v1/")[0] + "/openapi.json").json()
+        return "partitions" in schema["components"]["schemas"]["BeginCheckpointRequest"]["properties"]
+
     def close(self) -> None:
         for c in self._clients:
             c.close()
@@ -98,9 +134,14 @@ class HttpSink:
     def start_generation(self, query_id: str, run_id: str) -> int:
         return self._post("/generations", {"query_id": query_id, "run_id": run_id})["generation"]
 
-    def begin(self, batch_id: int, generation: int) -> int | None:
-        r = self._post(f"/checkpoints/{batch_id}/begin", {"generation": generation})
-        return r["attempt"] if r["action"] == "write" else None
+    def begin(self, batch_id: int, generation: int, partitions: int | None = None) -> Begun:
+        body: dict[str, Any] = {"generation": generation}
+        if partitions is not None:
+            body["partitions"] = partitions
+        r = self._post(f"/checkpoints/{batch_id}/begin", body)
+        if r["action"] != "write":
+            return Begun(None, [])
+        return Begun(r["attempt"], [(x["partition"], x["lease_id"]) for x in r.get("pre_leases", [])])
 
     def lease(self, batch_id: int, attempt: int, generation: int, partition: int, task_attempt_id: int) -> int:
         body = {"generation": generation, "partition": partition, "task_attempt_id": task_attempt_id}
@@ -111,8 +152,12 @@ class HttpSink:
                 "records": records, "bytes": records * 100}
         self._post(f"/leases/{lease_id}/precommit", body)
 
-    def commit(self, batch_id: int, attempt: int, generation: int, winners: list[tuple[int, int]]) -> int:
-        body = {"generation": generation, "partitions": [{"partition": p, "lease_id": lid} for p, lid in winners]}
+    def commit(self, batch_id: int, attempt: int, generation: int, winners: list[tuple[int, int]],
+               records: list[Record] | None = None) -> int:
+        parts = [{"partition": p, "lease_id": lid} for p, lid in winners]
+        for part, r in zip(parts, records or []):
+            part.update(producer_id=r.producer_id, producer_epoch=0, records=r.records, bytes=r.records * 100)
+        body = {"generation": generation, "partitions": parts}
         return len(self._post(f"/checkpoints/{batch_id}/attempts/{attempt}/commit", body)["committed"])
 
 

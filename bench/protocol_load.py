@@ -20,7 +20,7 @@ from measure import (
     SqlCounter, WaitSampler, cpu_delta, cpu_snapshot, log, percentile, pg_counters, plain_url, table_writes,
     table_writes_per,
 )
-from protocol_clients import HttpSink, InprocessSink, Rejected
+from protocol_clients import HttpSink, InprocessSink, Record, Rejected
 
 CALLS = ("begin", "lease", "precommit", "commit", "cycle")
 
@@ -59,6 +59,7 @@ def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPo
     clock = time.monotonic
     batch_id = 0
     task_attempt_id = driver_no * 10**12
+    two_calls = sink.pre_leases
 
     def executor_task(batch: int, attempt: int, partition: int, task_id: int) -> tuple[int, int]:
         t0 = clock()
@@ -71,21 +72,30 @@ def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPo
         return partition, lease_id
 
     def cycle() -> tuple[float, float]:
-        """One batch; 2P + 2 protocol calls (begin, a lease and a pre-commit per partition, commit)."""
+        """One batch. Per-call protocol: begin, a lease and a pre-commit per partition (2P + 2
+        calls). Two-call protocol: begin pre-leases each partition's first try, the tasks return
+        their pre-commit records to the driver without calling, commit carries them (2 calls)."""
         nonlocal task_attempt_id
         c0 = clock()
-        attempt = sink.begin(batch_id, generation)
+        begun = sink.begin(batch_id, generation, partitions if two_calls else None)
         c1 = clock()
         stats.record("begin", c0, c1)
-        if attempt is None:
+        if begun.attempt is None:
             raise RuntimeError(f"batch {batch_id} unexpectedly already committed")
-        futures = []
-        for p in range(partitions):
-            task_attempt_id += 1
-            futures.append(executors.submit(executor_task, batch_id, attempt, p, task_attempt_id))
-        winners = [f.result() for f in futures]
+        if two_calls:
+            if len(begun.pre_leases) != partitions:
+                raise RuntimeError(f"begin pre-leased {len(begun.pre_leases)} ids, expected {partitions}")
+            winners = sorted(begun.pre_leases)
+            records = [Record(1000 + p, 10) for p, _ in winners]
+        else:
+            futures = []
+            for p in range(partitions):
+                task_attempt_id += 1
+                futures.append(executors.submit(executor_task, batch_id, begun.attempt, p, task_attempt_id))
+            winners = [f.result() for f in futures]
+            records = None
         c2 = clock()
-        committed = sink.commit(batch_id, attempt, generation, winners)
+        committed = sink.commit(batch_id, begun.attempt, generation, winners, records)
         c3 = clock()
         stats.record("commit", c2, c3)
         if committed != partitions:
@@ -109,7 +119,7 @@ def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPo
                 stats.cycles_total += 1
                 if stats.t_start <= c3 < stats.t_end:
                     stats.cycles += 1
-                    stats.calls += 2 * partitions + 2
+                    stats.calls += 2 if two_calls else 2 * partitions + 2
             if stats.t_start <= c3 < stats.t_end:
                 with progress.get_lock():
                     progress.value += 1

@@ -28,6 +28,7 @@ def test_protocol_bench_runs_both_modes_and_prints_its_figure_lines(database_url
     figures = dict(measure.parse_figure_line(line) for line in lines if "=" in line and not line.startswith("["))
     assert float(figures["floor"]["update_tx_per_s"]) > 0
     assert float(figures["floor"]["select1_per_s"]) > 0
+    assert all(float(v) > 0 for v in figures["statement_cost"].values()) and len(figures["statement_cost"]) == 3
     for run in ("P=2 inprocess", "P=2 http"):
         f = figures[run]
         assert float(f["batches_per_s"]) > 0, f
@@ -99,3 +100,13 @@ def test_floor_measures_committed_updates(database_url: str) -> None:
     # the rate is what was committed: the rows' counters agree with it
     assert done > 0 and figures["update_tx_per_s"] > 0
     assert abs(int(done) - figures["update_tx_per_s"] * 0.3) <= 0.5 * int(done) + 5
+
+
+def test_http_overhead_bench_prints_a_line_per_variant() -> None:
+    out = subprocess.run([sys.executable, str(BENCH / "http_overhead.py"), "--seconds", "0.5", "--clients", "1"],
+                         cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    figures = dict(measure.parse_figure_line(line) for line in out.stdout.splitlines() if line.startswith("http "))
+    assert set(figures) == {f"http {loop} {route}" for loop in ("uvloop", "asyncio") for route in ("sync", "async")}
+    for f in figures.values():
+        assert float(f["cpu_us_per_call"]) > 0 and float(f["calls_per_s"]) > 0, f

@@ -37,7 +37,7 @@ def test_indexes_for_the_hot_queries_exist(engine):
     names = {ix["name"] for t in TABLES for ix in insp.get_indexes(t)}
     # pool leasing, unresolved-transaction sweeps, open-attempt lookups, audit trail paging, freeing
     # a resolved lease's id
-    assert {"ix_transactional_ids_free", "ix_leases_unresolved", "ix_attempts_open", "ix_events_sink_id_id",
+    assert {"ix_transactional_ids_free_lru", "ix_leases_unresolved", "ix_attempts_open", "ix_events_sink_id_id",
             "ix_transactional_ids_lease_id"} <= names
 
 

@@ -15,10 +15,15 @@ class _Record:
     @classmethod
     def from_mapping(cls, row: Any) -> Self:
         """Build from a row mapping with the fields' names; a `state` column becomes its enum."""
-        values = {f.name: row[f.name] for f in fields(cls)}  # type: ignore[arg-type]
+        values = {name: row[name] for name in _field_names(cls)}
         if "state" in values:
             values["state"] = _state_type(cls)(values["state"])
         return cls(**values)
+
+
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
 
 
 @cache

@@ -331,18 +331,11 @@ class ProtocolOperations(Reads):
         taken = repo.take_free_transactional_ids(
             conn, sink, partitions, now, lambda n: rules.transactional_id_for(sink.transactional_id_prefix, n)
         )
-        deadline = rules.transaction_deadline(now, sink.transaction_timeout_ms)
-        rows = conn.execute(
-            insert(leases)
-            .values([
-                dict(sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, partition=p,
-                     task_attempt_id=FIRST_TRY_TASK_ATTEMPT, transactional_id=tid, state=LeaseState.LEASED.value,
-                     leased_at=now, deadline_at=deadline)
-                for p, (_, tid) in enumerate(taken)
-            ])
-            .returning(leases.c.id, leases.c.partition)
-        ).all()
-        by_partition = {r.partition: r.id for r in rows}
+        by_partition = repo.insert_first_try_leases(
+            conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, task_attempt_id=FIRST_TRY_TASK_ATTEMPT,
+            transactional_ids_by_partition=[tid for _, tid in taken], leased_at=now,
+            deadline_at=rules.transaction_deadline(now, sink.transaction_timeout_ms),
+        )
         repo.hand_out_transactional_ids(conn, [(row_id, by_partition[p]) for p, (row_id, _) in enumerate(taken)])
 
     @staticmethod

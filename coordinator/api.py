@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Query, Response
 from fastapi.responses import JSONResponse, RedirectResponse

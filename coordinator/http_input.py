@@ -212,6 +212,8 @@ def check_url(scope: dict[str, Any]) -> None:
     invalid bytes into U+FFFD)."""
     raw_path = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
     for where, raw in (("path", raw_path), ("query", scope.get("query_string", b""))):
+        if b"%" not in raw and raw.isascii():  # the common case: nothing to decode
+            continue
         if where == "query":
             raw = raw.replace(b"+", b" ")
         try:
@@ -222,8 +224,11 @@ def check_url(scope: dict[str, Any]) -> None:
 
 
 def _is_json(content_type: str | None) -> bool:
+    """As FastAPI decides it: application/json or application/*+json, any parameters."""
     if not content_type:
         return False
+    if content_type == "application/json" or content_type.startswith("application/json;"):
+        return True
     m = Message()
     m["content-type"] = content_type
     subtype = m.get_content_subtype()

@@ -14,7 +14,7 @@ from .http_input import (
     CommitMarginMs,
     Count,
     ErrorBody,  # noqa: F401  (the API's error format lives in http_input; imported from here too)
-    ErrorOut,
+    ErrorOut,  # noqa: F401
     Generation,
     Id,
     LeaseId,

@@ -60,8 +60,14 @@ def register(service: ServiceProcess, sink: str, bootstrap: str, topic: str, **e
 def spark_session(app: str, master: str | None = "local[2,4]", *, remote: str | None = None, **conf: str) -> Any:
     """A local session whose Python workers run this interpreter and can import the test helpers
     (fault hooks are pickled by reference). local[N,F]: N threads, F tries per task. With `remote`
-    (e.g. "local[2,4]"), a Spark Connect session on pyspark's local Connect server instead."""
+    (e.g. "local[2,4]"), a Spark Connect session on pyspark's local Connect server instead.
+
+    Every session carries Spark's Kafka connector (spark.jars): only the JVM's launch (the first
+    session of the pytest process) puts jars on the driver's class path, and a later module's
+    session runs in that same JVM."""
     from pyspark.sql import SparkSession
+
+    from localkafka.maven import spark_kafka_jars
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
     paths = [str(TESTS_DIR), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
@@ -71,7 +77,7 @@ def spark_session(app: str, master: str | None = "local[2,4]", *, remote: str | 
     else:
         builder = (SparkSession.builder.master(master).appName(app).config("spark.ui.enabled", "false")
                    .config("spark.speculation", "true"))
-    builder = builder.config("spark.sql.shuffle.partitions", "4")
+    builder = builder.config("spark.sql.shuffle.partitions", "4").config("spark.jars", ",".join(spark_kafka_jars()))
     for k, v in conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()

@@ -23,9 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
-    from localkafka.maven import spark_kafka_jars
-
-    session = spark_session("sparkclient-triggers", **{"spark.jars": ",".join(spark_kafka_jars())})
+    session = spark_session("sparkclient-triggers")  # with Spark's Kafka connector
     yield session
     session.stop()
 

@@ -359,6 +359,26 @@ def winner_expired(lease: Lease, now: datetime, margin_ms: int) -> bool:
 # --- lost data -------------------------------------------------------------------------------
 
 
+# Kafka's answers to a resume-commit (EndTxn) that mean "this transaction is gone": it can never
+# be committed any more (Kafka's TransactionCoordinator.endTransaction: another producer id on the
+# id, a newer epoch after a fence or the broker's timeout abort, a completed abort, or a broker that
+# forgot the producer; KafkaApis answers INVALID_PRODUCER_EPOCH for PRODUCER_FENCED to EndTxn < v2).
+# Every other answer -- UNKNOWN_SERVER_ERROR, authorization failures after an ACL change, codes we
+# do not know, timeouts, an unreachable broker -- may pass: the commit stays decided and is retried.
+TRANSACTION_GONE_CODES = frozenset({
+    "producer_fenced",
+    "invalid_producer_epoch",
+    "invalid_producer_id_mapping",
+    "invalid_txn_state",
+    "unknown_producer_id",
+})
+
+
+def commit_refusal_is_final(code: str) -> bool:
+    """True only for a refusal after which the transaction can never commit (TRANSACTION_GONE_CODES)."""
+    return code in TRANSACTION_GONE_CODES
+
+
 @dataclass(frozen=True)
 class RefusedCommit:
     """A decided winner whose commit Kafka refused for good."""
@@ -366,12 +386,16 @@ class RefusedCommit:
     lease: Lease
     code: str
     message: str
+    # True: a read_committed read at the transaction's first offsets showed its records dropped.
+    # False: the log could not tell (no first offsets recorded): the loss is not established.
+    confirmed: bool = False
 
 
 def lost_reason(batch_id: int, refused: Sequence[RefusedCommit]) -> str:
     parts = "; ".join(
         f"partition {r.lease.partition} ({r.lease.transactional_id}, producer {r.lease.producer_id} epoch "
-        f"{r.lease.producer_epoch}, {r.lease.records} records): {r.code}"
+        f"{r.lease.producer_epoch}, {r.lease.records} records): {r.code}, "
+        + ("loss confirmed in the partition log" if r.confirmed else "NOT verified in the partition log")
         for r in sorted(refused, key=lambda r: r.lease.partition)
     )
     return f"batch {batch_id}: Kafka refused the decided commit for good: {parts}"[:2000]
@@ -386,8 +410,10 @@ def check_not_halted(sink: Sink) -> None:
         f"sink {sink.name!r} is halted since {sink.halted_at.isoformat()} because data was lost: "
         f"{sink.halted_reason}. Those records were written and pre-committed but Kafka refused "
         "their commit (typically the transaction outlived transaction.timeout.ms, or its producer "
-        "was fenced), so read_committed consumers will never see them. Find the batch in the "
-        "sink's events (kind data_lost), re-deliver its data if needed, then acknowledge with "
+        "was fenced). Find the batch in the sink's events (kind data_lost). Re-deliver records "
+        "only of partitions whose loss is confirmed in the partition log; where it says NOT "
+        "verified, read the partition with a read_committed consumer first (re-delivering "
+        "records that did commit duplicates them). Then acknowledge with "
         f"POST /v1/sinks/{sink.name}/lost-data/acknowledge (admin token, body {{\"reason\": ...}}); "
         "new batches are accepted again after that.",
         halted_reason=sink.halted_reason,

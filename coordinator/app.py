@@ -28,6 +28,7 @@ def build_coordinator(settings: Settings) -> Coordinator:
             max_partitions=settings.max_partitions,
             broker_max_transaction_timeout_ms=settings.broker_max_transaction_timeout_ms,
             restart_budget_ms=settings.restart_budget_ms,
+            commit_reach=settings.commit_reach(),
         ),
     )
 

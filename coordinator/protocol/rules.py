@@ -57,6 +57,63 @@ def transactional_id_for(prefix: str, ordinal: int) -> str:
     return f"{prefix}-{ordinal}"
 
 
+@dataclass(frozen=True)
+class CommitReach:
+    """How long after a commit is decided its EndTxn may still reach the broker, from the
+    coordinator's settings: the deciding replica's tries (the commit retry budget, the last
+    request in flight up to the Kafka request timeout), or, if that replica dies, the recovery
+    leader's after a failover (the leader TTL plus one loop interval). The timeout gate keeps
+    I4 only if the commit margin exceeds this (DESIGN.md §3 Revisions, "Defaults that keep I4")."""
+
+    request_timeout_ms: int
+    retry_budget_ms: int
+    leader_ttl_ms: int
+    recovery_interval_ms: int
+
+    @property
+    def failover_ms(self) -> int:
+        return self.leader_ttl_ms + self.recovery_interval_ms
+
+    @property
+    def total_ms(self) -> int:
+        return self.request_timeout_ms + self.retry_budget_ms + self.failover_ms
+
+    def describe(self) -> str:
+        return (f"Kafka request timeout {self.request_timeout_ms} + commit retry budget {self.retry_budget_ms} + "
+                f"recovery-leader failover {self.failover_ms} (leader TTL {self.leader_ttl_ms} + loop interval "
+                f"{self.recovery_interval_ms}) = {self.total_ms} ms")
+
+
+# the default margin exceeds the commit reach by at least this much (a request's own latency)
+REACH_SLACK_MS = 3_000
+
+
+def validate_commit_reach(transaction_timeout_ms: int, commit_margin_ms: int, reach: CommitReach) -> None:
+    """Refuse a sink whose margin lets a decided commit's EndTxn land after the broker's timeout."""
+    if transaction_timeout_ms <= reach.total_ms + REACH_SLACK_MS:
+        raise e.Invalid(
+            "transaction_timeout_below_commit_reach",
+            f"transaction_timeout_ms={transaction_timeout_ms} leaves no time for a batch: the commit margin must "
+            f"exceed how long a decided commit may still reach Kafka ({reach.describe()}), so the timeout must be "
+            f"well above {reach.total_ms + REACH_SLACK_MS} ms (at least twice that is sensible), or those settings lower.",
+            field="transaction_timeout_ms",
+            commit_reach_ms=reach.total_ms,
+            transaction_timeout_ms=transaction_timeout_ms,
+        )
+    if commit_margin_ms <= reach.total_ms:
+        raise e.Invalid(
+            "commit_margin_below_commit_reach",
+            f"commit_margin_ms={commit_margin_ms} must exceed how long a decided commit may still reach Kafka: "
+            f"{reach.describe()}; otherwise a commit decided just inside the margin can land after the broker "
+            f"aborted the transaction (I4). Use commit_margin_ms >= {reach.total_ms + REACH_SLACK_MS} (with "
+            f"transaction_timeout_ms above it), or lower those settings.",
+            field="commit_margin_ms",
+            commit_margin_ms=commit_margin_ms,
+            commit_reach_ms=reach.total_ms,
+            transaction_timeout_ms=transaction_timeout_ms,
+        )
+
+
 def validate_timeouts(transaction_timeout_ms: int, commit_margin_ms: int, broker_max_ms: int) -> None:
     if transaction_timeout_ms > broker_max_ms:
         raise e.Invalid(
@@ -82,9 +139,14 @@ def validate_timeouts(transaction_timeout_ms: int, commit_margin_ms: int, broker
         )
 
 
-def default_commit_margin_ms(transaction_timeout_ms: int) -> int:
-    """A tenth of the timeout, at least 5 s (but never the whole timeout)."""
-    return min(max(transaction_timeout_ms // 10, 5_000), transaction_timeout_ms // 2)
+def default_commit_margin_ms(transaction_timeout_ms: int, reach: CommitReach | None = None) -> int:
+    """A tenth of the timeout, at least 5 s (but never the whole timeout); with the coordinator's
+    commit reach, at least the reach plus REACH_SLACK_MS (validation refuses it if that leaves no
+    time for a batch)."""
+    margin = min(max(transaction_timeout_ms // 10, 5_000), transaction_timeout_ms // 2)
+    if reach is not None:
+        margin = max(margin, reach.total_ms + REACH_SLACK_MS)
+    return margin
 
 
 # --- generations and lineage -----------------------------------------------------------------

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..kafka_control import OpenTransaction
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
+from ..protocol import rules
 from ..protocol.rules import BeginAction
 
 
@@ -18,6 +19,9 @@ class Limits:
     # Kafka commits/aborts of one checkpoint run this many at a time; 1 runs them in order (the
     # simulation needs that, so a seed replays the same schedule).
     kafka_parallelism: int = 16
+    # the settings' bound on how late a decided commit may reach Kafka (rules.CommitReach): sinks
+    # whose commit margin is not above it are refused; None (library use, tests) skips the check
+    commit_reach: rules.CommitReach | None = None
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,27 @@ def test_timeout_aborts_and_bumps_the_epoch_so_a_late_commit_is_fenced() -> None
     assert m.read_committed("out") == [] and m.list_open() == []
 
 
+def test_the_model_answers_the_log_check_at_first_offsets() -> None:
+    m, _ = model()
+    plane, tg = ModelControlPlane(m), KafkaTarget("s", "model", 10_000)
+    txns = {}
+    for tid, partition in (("c", 0), ("a", 1), ("o", 2)):
+        pid, epoch = m.init_producer_id(tid, 10_000)
+        m.produce(tid, pid, epoch, "out", partition, f"{tid}1")
+        m.produce(tid, pid, epoch, "out", partition, f"{tid}2")
+        txns[tid] = PreparedTransaction(tid, pid, epoch)
+    m.end_txn("c", txns["c"].producer_id, txns["c"].producer_epoch, True)
+    m.init_producer_id("c", 10_000)  # re-initialised after its commit: a retry is now fenced
+    m.init_producer_id("a", 10_000)  # fenced and aborted
+    assert plane.transaction_outcome(tg, txns["c"], [("out", 0, 0)]) == "committed"
+    assert plane.transaction_outcome(tg, txns["a"], [("out", 1, 0)]) == "aborted"
+    assert plane.transaction_outcome(tg, txns["o"], [("out", 2, 0)]) == "unknown"  # still open
+    assert plane.transaction_outcome(tg, txns["c"], [("out", 0, 2)]) == "unknown"  # the COMMIT marker
+    assert plane.transaction_outcome(tg, txns["c"], [("out", 0, 9)]) == "unknown"  # beyond the log
+    assert plane.transaction_outcome(tg, txns["c"], []) == "unknown"
+    assert plane.transaction_outcome(tg, txns["c"], [("out", 0, 0), ("out", 1, 0)]) == "unknown"  # disagreeing reads
+
+
 def test_read_committed_stops_at_the_last_stable_offset_and_drops_aborted_records() -> None:
     m, _ = model()
     a = m.init_producer_id("a", 10_000)

@@ -39,10 +39,11 @@ class Settings(BaseSettings):
     # and kafka-python client settings for security (JSON, e.g. {"security_protocol":
     # "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "coordinator"}).
     # Together with the recovery leader's TTL and interval these bound how late a decided commit
-    # may reach Kafka (rules.CommitReach, 27 s with the defaults); every sink's commit margin must
-    # exceed it (registration refuses it otherwise), so the defaults are kept small.
-    kafka_request_timeout_ms: int = Field(5_000, ge=100)
-    kafka_retry_budget_ms: int = Field(10_000, ge=0)
+    # may reach Kafka (rules.CommitReach, 20 s with the defaults); every sink's commit margin must
+    # exceed it (registration refuses it otherwise), so the defaults are kept small: the default
+    # margin of a 60 s transaction is then 23 s, leaving 37 s from a lease to the commit decision.
+    kafka_request_timeout_ms: int = Field(4_000, ge=100)
+    kafka_retry_budget_ms: int = Field(8_000, ge=0)
     kafka_client_config: dict[str, Any] = {}
     kafka_sasl_password: SecretStr | None = None
     max_partitions: int = Field(4096, ge=1, le=100_000)
@@ -54,7 +55,7 @@ class Settings(BaseSettings):
     # recovery_leader_ttl_ms (the database's clock); a replica takes over within TTL + interval.
     recovery_enabled: bool = True
     recovery_interval_ms: int = Field(2_000, ge=10)
-    recovery_leader_ttl_ms: int = Field(10_000, ge=50)
+    recovery_leader_ttl_ms: int = Field(6_000, ge=50)
     # Read-only token for the operator dashboard (/dashboard); the admin token can view and act.
     # Unset: only the admin token logs in.
     dashboard_viewer_token: SecretStr | None = None

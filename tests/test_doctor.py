@@ -205,6 +205,11 @@ def test_a_commit_margin_below_the_commit_reach_fails_and_names_the_numbers(
     reach = found[("sink unregistered", "commit_reach")]
     assert code == 1 and reach["verdict"] == "fail", reach
     assert "commit_margin_ms=6000" in reach["detail"]
+    monkeypatch.setenv("COORDINATOR_RECOVERY_LEADER_TTL_MS", "9000")
+    monkeypatch.setenv("COORDINATOR_RECOVERY_INTERVAL_MS", "3000")
+    code, found = doctor(capsys, "--bootstrap-servers", f"127.0.0.1:{free_port()}", "--prefix", prefix(),
+                         "--transaction-timeout-ms", "60000", "--commit-margin-ms", "6000")
+    reach = found[("sink unregistered", "commit_reach")]
     assert "Kafka request timeout 4000 + commit retry budget 8000 + recovery-leader failover 12000" in reach["detail"]
     assert "= 24000 ms" in reach["detail"] and "at least 27000" in reach["fix"]
 

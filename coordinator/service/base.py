@@ -242,7 +242,8 @@ class CoordinatorBase:
             raise e.Unavailable(
                 "kafka_commit_failed",
                 f"the commit of batch {cp.batch_id} is decided but {len(failures)} transaction(s) could "
-                "not be committed on Kafka yet; retry (resume) — the decision stands",
+                "not be committed on Kafka yet; retry (resume) — the decision stands. Kafka: "
+                + "; ".join(f"{tid}: {why}" for tid, why in sorted(failures.items()))[:1000],
                 failures=failures,
             )
         return result

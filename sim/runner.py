@@ -113,14 +113,21 @@ class ScheduleResult:
 
 
 class SkewedClock:
-    """A replica's own clock: the true (broker's) time plus an offset that can change (a step)."""
+    """A replica's own clock: the true (broker's) time plus an offset that can change (a step).
+    `now_in(conn)` is the protocol's clock where the coordinator reads one (the database's, the
+    same for every replica: the sim's ManualClock); `one_clock=False` is the broken variant in
+    which the protocol reads the replica's own clock."""
 
-    def __init__(self, base: ManualClock, offset_ms: int = 0) -> None:
+    def __init__(self, base: ManualClock, offset_ms: int = 0, *, one_clock: bool = True) -> None:
         self.base = base
         self.offset_ms = offset_ms
+        self.one_clock = one_clock
 
     def now(self) -> datetime:
         return self.base.now() + timedelta(milliseconds=self.offset_ms)
+
+    def now_in(self, conn: Any) -> datetime:
+        return self.base.now() if self.one_clock else self.now()
 
 
 @dataclass
@@ -207,8 +214,10 @@ class Client:
 
 
 class Sim:
-    def __init__(self, seed: int, engine: Engine, config: FaultConfig | None = None, *, n_batches: int | None = None) -> None:
+    def __init__(self, seed: int, engine: Engine, config: FaultConfig | None = None, *, n_batches: int | None = None,
+                 one_clock: bool = True) -> None:
         self.seed = seed
+        self.one_clock = one_clock  # False: the broken variant whose protocol reads each replica's own clock
         self.engine = engine
         self.rng = random.Random(seed)
         self.faults = Faults(self.rng, config or FaultConfig())
@@ -278,12 +287,20 @@ class Sim:
                 self.trace(f"  broker aborted {self.local(tid)} at its timeout")
 
     def replica_clock(self, index: int) -> Clock:
-        return self.clocks.setdefault(index, SkewedClock(self.clock))
+        return self.clocks.setdefault(index, SkewedClock(self.clock, one_clock=self.one_clock))
+
+    def executor_init_reach_ms(self, limits: Any) -> int:
+        """How late a stalled try's InitProducerId may land after its lease: the protocol's bound
+        (lease age at init + init timeout + request timeout) where the coordinator has one, else
+        EXECUTOR_INIT_REACH_MS."""
+        parts = [getattr(limits, n, None) for n in
+                 ("lease_max_init_age_ms", "producer_init_timeout_ms", "producer_request_timeout_ms")]
+        return sum(parts) if all(p is not None for p in parts) else EXECUTOR_INIT_REACH_MS  # type: ignore[arg-type]
 
     # --- issue 15's fault kinds ---------------------------------------------------------------
 
     def executor_zombie(self, transactional_id: str, rows: list[str]) -> None:
-        delay = self.rng.randint(1, EXECUTOR_INIT_REACH_MS)
+        delay = self.rng.randint(1, self.executor_init_reach_ms(self.replicas[0].coordinator.limits))
         self.faults.fired("zombie_executor", f"{self.local(transactional_id)} +{delay}ms")
         self.trace(f"  !! executor try on {self.local(transactional_id)} stalls before InitProducerId "
                    f"(lands in {delay} ms)")

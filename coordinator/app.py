@@ -33,6 +33,7 @@ def build_coordinator(settings: Settings) -> Coordinator:
             producer_init_timeout_ms=settings.producer_init_timeout_ms,
             producer_request_timeout_ms=settings.producer_request_timeout_ms,
             transactional_id_quarantine_ms=settings.transactional_id_quarantine_ms,
+            commit_reach=settings.commit_reach(),
         ),
     )
 

@@ -383,7 +383,12 @@ def kafka_cmd(args: argparse.Namespace) -> int:
             plane.commit(target, PreparedTransaction(tid, args.producer_id, args.epoch))
             print(f"committed: transaction {tid!r} (producer id {args.producer_id}, epoch {args.epoch})")
     except ControlPlaneError as exc:
-        kind = "retriable" if exc.retriable else "refused for good"
+        if exc.retriable:
+            kind = "retriable"
+        elif exc.transaction_gone or exc.code == "invalid_producer_id":  # (the latter: nothing was sent)
+            kind = "refused for good"
+        else:  # e.g. UNKNOWN_SERVER_ERROR, an authorization failure: the transaction may still commit
+            kind = "not final: retry later"
         print(f"coordinator kafka {args.kafka_command}: {exc.code} ({kind}): {exc}", file=sys.stderr)
         return 1
     finally:

@@ -10,7 +10,8 @@ the fix when it is not ok.
   under the sink's prefix the coordinator does not know; a question the broker cannot answer
   (e.g. no KIP-664 ListTransactions) is a warning, not a failure;
 - the sink's timeouts against the coordinator's own limits (COORDINATOR_BROKER_MAX_TRANSACTION_TIMEOUT_MS,
-  COORDINATOR_RESTART_BUDGET_MS);
+  COORDINATOR_RESTART_BUDGET_MS), and its commit margin against how late a decided commit may
+  reach Kafka under the settings (rules.CommitReach: I4);
 - transactional-id prefix clashes between sinks (one prefix a prefix of another's: their pooled
   ids could collide).
 
@@ -139,7 +140,7 @@ def check_timeouts(sink: SinkUnderCheck, settings: Settings) -> Finding:
     limit = settings.broker_max_transaction_timeout_ms
     margin = sink.commit_margin_ms
     if margin is None:  # what registration would store
-        margin = rules.default_commit_margin_ms(sink.transaction_timeout_ms)
+        margin = rules.default_commit_margin_ms(sink.transaction_timeout_ms, settings.commit_reach())
     try:  # the rules registration applies (coordinator/protocol/rules.py)
         rules.validate_timeouts(sink.transaction_timeout_ms, margin, limit)
     except e.Invalid as exc:
@@ -162,6 +163,27 @@ def check_timeouts(sink: SinkUnderCheck, settings: Settings) -> Finding:
     return Finding(scope, "coordinator_timeouts", OK,
                    f"transaction_timeout_ms {sink.transaction_timeout_ms} is within the coordinator's limit {limit} "
                    f"and above the restart budget {budget}")
+
+
+def check_commit_reach(sink: SinkUnderCheck, settings: Settings) -> Finding:
+    """I4 needs the sink's commit margin above how late a decided commit may reach Kafka under
+    these settings (registration refuses new sinks that miss it; this finds registered ones)."""
+    scope = f"sink {sink.name}"
+    reach = settings.commit_reach()
+    margin = sink.commit_margin_ms
+    if margin is None:
+        margin = rules.default_commit_margin_ms(sink.transaction_timeout_ms, reach)
+    try:
+        rules.validate_commit_reach(sink.transaction_timeout_ms, margin, reach)
+    except e.Invalid as exc:
+        return Finding(scope, "commit_reach", FAIL, f"{exc.message} A decided commit of this sink can be lost "
+                       "although the coordinator decided it in time.",
+                       f"give the sink commit_margin_ms of at least {reach.total_ms + rules.REACH_SLACK_MS} and a "
+                       "transaction timeout well above it (re-register under a new name, or change it in the "
+                       "database), or lower COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS, COORDINATOR_KAFKA_RETRY_BUDGET_MS, "
+                       "COORDINATOR_RECOVERY_LEADER_TTL_MS, COORDINATOR_RECOVERY_INTERVAL_MS")
+    return Finding(scope, "commit_reach", OK, f"commit_margin_ms {margin} exceeds how late a decided commit may "
+                   f"reach Kafka: {reach.describe()}")
 
 
 def check_broker(sink: SinkUnderCheck, known: set[str], settings: Settings, request_timeout_ms: int) -> list[Finding]:
@@ -242,6 +264,7 @@ def run(
                                         "before registering it"))
         for sink in to_check:
             findings.append(check_timeouts(sink, settings))
+            findings.append(check_commit_reach(sink, settings))
             if check_kafka:
                 known = known_ids(engine, sink.name) if engine is not None and sink.registered else set()
                 findings += check_broker(sink, known, settings, request_timeout_ms)

@@ -2,7 +2,9 @@
 
 `commit` finishes a pre-committed transaction from another process by resume (EndTxn with the
 stored transactional id, producer id and epoch); `abort` ends whatever transaction an id may hold
-(initialising a producer on it fences and aborts it). The real implementation on Kafka's wire
+(initialising a producer on it fences and aborts it); `transaction_outcome` reads the partition
+log as a read_committed consumer at the transaction's first offsets, so that a refused commit is
+declared lost only when the log shows its records were dropped (DESIGN.md §3 Revisions). The real implementation on Kafka's wire
 protocol plugs in here; a KIP-939 (prepared transactions) variant would be another one.
 
 `RecordingControlPlane` is the explicit "no Kafka control plane" mode: it touches no broker and
@@ -14,8 +16,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol
+
+from .protocol.rules import commit_refusal_is_final
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +43,39 @@ class PreparedTransaction:
 
 
 class ControlPlaneError(Exception):
-    """`retriable=True`: try again later (broker unreachable, coordinator moving).
-    `retriable=False`: the broker refused for good (fenced, timed out, unknown producer id)."""
+    """`retriable=True`: worth repeating at once (broker unreachable, coordinator moving).
+    `retriable=False`: repeating at once will not help. Whether a refused commit can never pass
+    is `transaction_gone` (Kafka's code in rules.TRANSACTION_GONE_CODES), not `retriable`: an
+    authorization failure or UNKNOWN_SERVER_ERROR is not retriable at once, yet the transaction
+    may still commit later."""
 
     def __init__(self, message: str, *, retriable: bool, code: str = "kafka_error") -> None:
         super().__init__(message)
         self.retriable = retriable
         self.code = code
+
+    @property
+    def transaction_gone(self) -> bool:
+        return commit_refusal_is_final(self.code)
+
+
+class TransactionOutcome(StrEnum):
+    """What the partition log says of a transaction, read at its first offsets."""
+
+    COMMITTED = "committed"  # read_committed returns the record at a first offset: it committed
+    ABORTED = "aborted"  # the log is stable past a first offset and read_committed skips that record
+    UNKNOWN = "unknown"  # no first offsets, still open (offset >= LSO), gone from the log, or unreadable
+
+
+# one of the transaction's partitions and the offset of its first record there
+FirstOffset = tuple[str, int, int]
+
+
+def combine_outcomes(outcomes: Sequence[TransactionOutcome]) -> TransactionOutcome:
+    """A transaction commits or aborts on all its partitions at once, so one conclusive read
+    decides. Reads that disagree (a first offset that was not the transaction's) are UNKNOWN."""
+    found = set(outcomes) - {TransactionOutcome.UNKNOWN}
+    return found.pop() if len(found) == 1 else TransactionOutcome.UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -92,6 +124,15 @@ class KafkaControlPlane(Protocol):
 
     def abort(self, target: KafkaTarget, transactional_id: str) -> None: ...
 
+    def transaction_outcome(
+        self, target: KafkaTarget, txn: PreparedTransaction, first_offsets: Sequence[FirstOffset]
+    ) -> TransactionOutcome:
+        """Read each (topic, partition, offset) as a read_committed consumer: COMMITTED if the
+        record there is returned, ABORTED if the last stable offset is past it and it is skipped,
+        UNKNOWN otherwise (and always with no first offsets). Never raises for an unreadable log:
+        that is UNKNOWN too."""
+        ...
+
     def list_open_transactions(self, target: KafkaTarget, prefix: str) -> list[OpenTransaction]:
         """Every transaction not completed on the broker whose transactional id starts with prefix."""
         ...
@@ -121,6 +162,8 @@ class RecordingControlPlane:
         self.open_transactions: list[OpenTransaction] = []
         self.partitions: list[PartitionStability] = []
         self.broker_checks: list[BrokerCheck] | None = None  # what check_broker answers, if set
+        self.outcomes: dict[str, TransactionOutcome] = {}  # what transaction_outcome answers per id
+        self.outcome_reads: list[tuple[str, tuple[FirstOffset, ...]]] = []
         self._failures: list[ControlPlaneError] = []
         self._lock = threading.Lock()
 
@@ -149,6 +192,13 @@ class RecordingControlPlane:
         self.open_transactions = [t for t in self.open_transactions if t.transactional_id != transactional_id]
 
     # Observations are whatever a test put here (a broker stand-in with settable answers).
+    def transaction_outcome(
+        self, target: KafkaTarget, txn: PreparedTransaction, first_offsets: Sequence[FirstOffset]
+    ) -> TransactionOutcome:
+        with self._lock:
+            self.outcome_reads.append((txn.transactional_id, tuple(first_offsets)))
+            return self.outcomes.get(txn.transactional_id, TransactionOutcome.UNKNOWN)
+
     def list_open_transactions(self, target: KafkaTarget, prefix: str) -> list[OpenTransaction]:
         self._maybe_fail()
         with self._lock:

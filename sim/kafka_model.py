@@ -28,7 +28,7 @@ passes through atomically); CONCURRENT_TRANSACTIONS therefore never reaches a ca
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -36,10 +36,13 @@ from coordinator.clock import ManualClock
 from coordinator.kafka_control import (
     BrokerCheck,
     ControlPlaneError,
+    FirstOffset,
     KafkaTarget,
     OpenTransaction,
     PartitionStability,
     PreparedTransaction,
+    TransactionOutcome,
+    combine_outcomes,
 )
 
 EMPTY = "Empty"
@@ -240,6 +243,18 @@ class KafkaModel:
                        if entry.marker is None and fate.get(entry.offset) == "COMMIT")
         return out
 
+    def outcome_at(self, topic: str, partition: int, offset: int) -> str:
+        """What a read_committed consumer that seeks to `offset` learns of the record there:
+        "committed" (it is returned), "aborted" (the LSO is past it and it is skipped) or
+        "unknown" (not below the LSO yet, or no such record)."""
+        self.expire()
+        log = self.logs.get((topic, partition), [])
+        lso, _ = self.last_stable_offset(topic, partition)
+        if offset >= min(lso, len(log)) or log[offset].marker is not None:
+            return "unknown"
+        visible = {e.offset for p, e in self.read_committed_entries(topic) if p == partition}
+        return "committed" if offset in visible else "aborted"
+
     def topics(self) -> list[str]:
         return sorted({t for t, _ in self.logs})
 
@@ -285,6 +300,13 @@ class ModelControlPlane:
     def abort(self, target: KafkaTarget, transactional_id: str) -> None:
         self._run("abort", transactional_id,
                   lambda: self.model.init_producer_id(transactional_id, target.transaction_timeout_ms))
+
+    def transaction_outcome(
+        self, target: KafkaTarget, txn: PreparedTransaction, first_offsets: Sequence[FirstOffset]
+    ) -> TransactionOutcome:
+        reads = self._run("read_committed", txn.transactional_id,
+                          lambda: [self.model.outcome_at(t, p, o) for t, p, o in first_offsets])
+        return combine_outcomes([TransactionOutcome(r) for r in reads])  # type: ignore[attr-defined]
 
     def list_open_transactions(self, target: KafkaTarget, prefix: str) -> list[OpenTransaction]:
         listed = self._run("list", prefix, lambda: self.model.list_open(prefix))

@@ -14,13 +14,15 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, delete, event, select, text
 
-from coordinator.clock import ManualClock
+from coordinator.clock import Clock, ManualClock
 from coordinator.protocol import errors as e
+from coordinator.protocol import recovery_rules
 from coordinator.protocol.invariants import (
     Snapshot,
     check_committed_unchanged,
@@ -51,13 +53,14 @@ from .faults import (
     InjectedDbFailure,
     Injector,
 )
-from .kafka_model import KafkaModel, ModelControlPlane
+from .kafka_model import KafkaError, KafkaModel, ModelControlPlane
 from .spark import (
     CheckpointLocation,
     Driver,
     JobFailed,
     ZombieState,
     batch_input,
+    kafka_partition,
     zombie_call,
 )
 
@@ -66,6 +69,10 @@ T = TypeVar("T")
 TIMEOUT_MS = 10_000
 MARGIN_MS = 2_000
 MAX_DRIVER_RUNS = 8
+# How late a stalled executor try's InitProducerId may still reach the broker after its lease was
+# granted (the executor refuses to start init_transactions on an older lease, and the request then
+# blocks at most this long). Ids freed from undecided tries must be quarantined longer than this.
+EXECUTOR_INIT_REACH_MS = TIMEOUT_MS
 RUN_NONCE = uuid.uuid4().hex[:6]  # sink names differ between processes sharing a database
 RETRIABLE_UNAVAILABLE = {"kafka_commit_failed", e.POOL_EXHAUSTED}
 
@@ -105,6 +112,33 @@ class ScheduleResult:
         return "\n".join(lines)
 
 
+class SkewedClock:
+    """A replica's own clock: the true (broker's) time plus an offset that can change (a step).
+    `now_in(conn)` is the protocol's clock where the coordinator reads one (the database's, the
+    same for every replica: the sim's ManualClock); `one_clock=False` is the broken variant in
+    which the protocol reads the replica's own clock."""
+
+    def __init__(self, base: ManualClock, offset_ms: int = 0, *, one_clock: bool = True) -> None:
+        self.base = base
+        self.offset_ms = offset_ms
+        self.one_clock = one_clock
+
+    def now(self) -> datetime:
+        return self.base.now() + timedelta(milliseconds=self.offset_ms)
+
+    def now_in(self, conn: Any) -> datetime:
+        return self.base.now() if self.one_clock else self.now()
+
+
+@dataclass
+class ExecutorZombie:
+    """A stalled executor try whose InitProducerId reaches the broker at `fire_at` (true time)."""
+
+    fire_at: datetime
+    transactional_id: str
+    rows: list[str] = field(default_factory=list)
+
+
 class Replica:
     """One coordinator process (and its recovery loop) of the deployment."""
 
@@ -119,7 +153,7 @@ class Replica:
     def start(self) -> None:
         sim = self.sim
         plane = ModelControlPlane(sim.model, hook=sim.injector.kafka_hook)
-        c = Coordinator(sim.engine, plane, clock=sim.clock, limits=sim.limits)
+        c = Coordinator(sim.engine, plane, clock=sim.replica_clock(self.index), limits=sim.limits)
         c._kafka_pool.shutdown(wait=False)
         c._kafka_pool = _SyncPool()  # type: ignore[assignment]
         self.coordinator = c
@@ -179,8 +213,10 @@ class Client:
 
 
 class Sim:
-    def __init__(self, seed: int, engine: Engine, config: FaultConfig | None = None, *, n_batches: int | None = None) -> None:
+    def __init__(self, seed: int, engine: Engine, config: FaultConfig | None = None, *, n_batches: int | None = None,
+                 one_clock: bool = True) -> None:
         self.seed = seed
+        self.one_clock = one_clock  # False: the broken variant whose protocol reads each replica's own clock
         self.engine = engine
         self.rng = random.Random(seed)
         self.faults = Faults(self.rng, config or FaultConfig())
@@ -209,6 +245,11 @@ class Sim:
         self.replicas: list[Replica] = []
         self.sink_id: int | None = None
         self._last_snapshot: Snapshot | None = None
+        self.clocks: dict[int, SkewedClock] = {}
+        self.executor_zombies: list[ExecutorZombie] = []
+        self.restores = 0  # checkpoint restores from an older backup so far
+        self.replanned: set[int] = set()  # batches whose committed plan the restore dropped
+        self.newest_checkpoint: CheckpointLocation | None = None  # what the operator can put back
 
     # --- small helpers ------------------------------------------------------------------------
 
@@ -230,10 +271,116 @@ class Sim:
         return self._leases.setdefault(lease_id, f"L{len(self._leases) + 1}")
 
     def advance(self, ms: int) -> None:
+        """Move true time on; stalled executors' InitProducerIds land at their moment on the way."""
+        target = self.clock.now() + timedelta(milliseconds=ms)
+        while True:
+            due = [z for z in self.executor_zombies if z.fire_at <= target]
+            if not due:
+                break
+            z = min(due, key=lambda x: x.fire_at)
+            self.executor_zombies.remove(z)
+            self._move_clock(max(0, int((z.fire_at - self.clock.now()) / timedelta(milliseconds=1))))
+            self._fire_executor_zombie(z)
+        self._move_clock(max(0, int((target - self.clock.now()) / timedelta(milliseconds=1))))
+
+    def _move_clock(self, ms: int) -> None:
         if ms:
             self.clock.advance(ms=ms)
             for tid in self.model.expire():
                 self.trace(f"  broker aborted {self.local(tid)} at its timeout")
+
+    def replica_clock(self, index: int) -> Clock:
+        return self.clocks.setdefault(index, SkewedClock(self.clock, one_clock=self.one_clock))
+
+    def executor_init_reach_ms(self, limits: Any) -> int:
+        """How late a stalled try's InitProducerId may land after its lease: the protocol's bound
+        (lease age at init + init timeout + request timeout) where the coordinator has one, else
+        EXECUTOR_INIT_REACH_MS."""
+        parts = [getattr(limits, n, None) for n in
+                 ("lease_max_init_age_ms", "producer_init_timeout_ms", "producer_request_timeout_ms")]
+        return sum(parts) if all(p is not None for p in parts) else EXECUTOR_INIT_REACH_MS  # type: ignore[arg-type]
+
+    # --- issue 15's fault kinds ---------------------------------------------------------------
+
+    def executor_zombie(self, transactional_id: str, rows: list[str]) -> None:
+        delay = self.rng.randint(1, self.executor_init_reach_ms(self.replicas[0].coordinator.limits))
+        self.faults.fired("zombie_executor", f"{self.local(transactional_id)} +{delay}ms")
+        self.trace(f"  !! executor try on {self.local(transactional_id)} stalls before InitProducerId "
+                   f"(lands in {delay} ms)")
+        self.executor_zombies.append(ExecutorZombie(self.clock.now() + timedelta(milliseconds=delay),
+                                                    transactional_id, list(rows)))
+
+    def _fire_executor_zombie(self, z: ExecutorZombie) -> None:
+        try:
+            pid, epoch = self.model.init_producer_id(z.transactional_id, self.timeout_ms)
+            self.trace(f"  !! stalled executor's InitProducerId on {self.local(z.transactional_id)} lands: "
+                       f"epoch {epoch}")
+            if self.rng.random() < 0.5:  # and it writes its rows before it learns it was given up on
+                for row in z.rows:
+                    self.model.produce(z.transactional_id, pid, epoch, self.topic, kafka_partition(row), row)
+                self.trace(f"  !! the stalled executor produced {len(z.rows)} record(s), never pre-committed")
+        except KafkaError as exc:
+            self.trace(f"  stalled executor refused by the broker: {exc.code}")
+
+    def fire_all_executor_zombies(self) -> None:
+        if self.executor_zombies:
+            last = max(z.fire_at for z in self.executor_zombies)
+            self.advance(max(0, int((last - self.clock.now()) / timedelta(milliseconds=1))))
+
+    def maybe_skew_clocks(self) -> None:
+        """The second replica's clock is off by more than the margin (NTP trouble, a VM pause)."""
+        if len(self.replicas) < 2 or not self.faults.roll("clock_skew"):
+            return
+        skew = self.rng.choice([-1, 1]) * self.rng.randint(self.margin_ms, 5 * self.margin_ms)
+        self.clocks[1].offset_ms = skew
+        self.faults.fired("clock_skew", f"replica 1 {skew:+d}ms")
+        self.trace(f"  !! replica 1's clock is {skew:+d} ms off")
+
+    def maybe_step_clock_back(self) -> None:
+        clock = self.clocks.get(1)
+        if clock is None or clock.offset_ms == 0 or self.rng.random() >= 0.1:
+            return
+        step = self.rng.randint(self.margin_ms, 3 * self.margin_ms)
+        clock.offset_ms -= step
+        self.faults.fired("clock_skew", f"replica 1 steps back {step}ms")
+        self.trace(f"  !! replica 1's clock steps back {step} ms")
+
+    def plan_input(self, batch: int) -> list[str]:
+        """The records Spark plans for a batch: the deterministic input, and after a checkpoint
+        restore the batches it dropped are re-planned from the same start over more records."""
+        base = batch_input(self.seed, batch)
+        if batch in self.replanned:
+            base = base + [f"b{batch}r{len(base) + i}R{self.restores}" for i in range(self.rng.randint(1, 3))]
+        return base
+
+    def maybe_restore_checkpoint(self) -> None:
+        """Spark's checkpoint directory is restored from an older backup: the same query id, but the
+        newest commits (and their offset log entries) are gone, so those batch ids are planned again."""
+        if not self.ckpt.commits or not self.faults.roll("checkpoint_restore"):
+            return
+        k = self.rng.choice(sorted(self.ckpt.commits))
+        newest = CheckpointLocation(self.ckpt.query_id, dict(self.ckpt.offsets), set(self.ckpt.commits))
+        if self.newest_checkpoint is None:
+            self.newest_checkpoint = newest
+        dropped = {b for b in self.ckpt.offsets if b >= k}
+        self.ckpt.offsets = {b: v for b, v in self.ckpt.offsets.items() if b < k}
+        self.ckpt.commits = {b for b in self.ckpt.commits if b < k}
+        self.restores += 1
+        self.replanned |= dropped
+        self.faults.fired("checkpoint_restore", f"back to batch {k}")
+        self.trace(f"  !! checkpoint restored from a backup taken before batch {k} (batches {sorted(dropped)} "
+                   "will be planned again)")
+
+    def operator_restores_newest_checkpoint(self, why: str) -> bool:
+        """The coordinator refused a replay over different offsets: the operator puts back the
+        newest checkpoint (the reset path of the refusal). False if there was no restore to undo."""
+        if self.newest_checkpoint is None:
+            return False
+        self.ckpt.offsets, self.ckpt.commits = self.newest_checkpoint.offsets, self.newest_checkpoint.commits
+        self.newest_checkpoint = None
+        self.replanned.clear()
+        self.trace(f"operator: replay refused ({why}); the newest checkpoint is put back")
+        return True
 
     def pick_replica(self) -> Replica:
         return self.replicas[self.rng.randrange(len(self.replicas))]
@@ -265,6 +412,8 @@ class Sim:
 
     def recovery_tick(self, why: str, *, inject: bool = True) -> None:
         replica = self.pick_replica()
+        if inject:
+            self.maybe_step_clock_back()
         if inject and len(self.replicas) > 1 and self.faults.roll("leader_failover"):
             self.faults.fired("leader_failover")
             self.trace("  !! recovery leader steps down")
@@ -389,6 +538,7 @@ class Sim:
         if n_replicas == 2:
             self.faults.fired("two_replicas")
         self.replicas = [Replica(self, i) for i in range(n_replicas)]
+        self.maybe_skew_clocks()
         try:
             self._run()
         finally:
@@ -411,6 +561,8 @@ class Sim:
             runs += 1
             if runs > MAX_DRIVER_RUNS:  # the operator's last restart: faults off
                 self.faults.enabled = False
+            if runs > 1 and self.faults.enabled:
+                self.maybe_restore_checkpoint()
             driver = Driver(self, runs)
             try:
                 driver.run()
@@ -422,6 +574,8 @@ class Sim:
                 # (database ids differ between runs: a protocol error is traced by its reason only)
                 why = exc.reason if isinstance(exc, e.ProtocolError) else f"{type(exc).__name__}: {exc}"
                 self.trace(f"driver {driver.run_id}: query failed ({why})")
+                if isinstance(exc, e.Conflict) and "offset" in exc.reason:
+                    self.operator_restores_newest_checkpoint(exc.reason)
             self.advance(self.rng.randint(0, self.small_delay_ms))  # the restart takes a moment
             self.check_db(settled=False, when=f"after driver run {runs}")
         self.faults.enabled = False
@@ -429,12 +583,21 @@ class Sim:
         self.check()
 
     def quiesce(self) -> None:
-        """Recovery until nothing is left to finish; then past every timeout, and again."""
+        """Recovery until nothing is left to finish; I6 while transactions can still be open; then
+        past every timeout, and recovery again."""
+        self.fire_all_executor_zombies()
         self._release_leadership()
         for _ in range(6):
             self.recovery_tick("quiesce", inject=False)
             if not self.committing_batches():
                 break
+        # I6 before the clock jump (after it the broker has expired everything): every transaction
+        # still open under the prefix is one an unresolved lease explains
+        unexplained = recovery_rules.lingering(self.model.list_open(self.prefix + "-"), self.snapshot().leases,
+                                               include_completing=True)
+        if unexplained:
+            self.violations.append("I6: open transactions no unresolved lease explains after recovery: "
+                                   f"{[self.local(t.transactional_id) for t in unexplained]}")
         self.trace("quiesce: clock moves past every transaction timeout")
         self.advance(self.timeout_ms + self.margin_ms)
         for _ in range(3):
@@ -459,6 +622,12 @@ class Sim:
             self.violations.append(f"I7: records of committed batches not visible: {missing[:10]}")
         if extra:
             self.violations.append(f"I7: records of uncommitted batches visible: {extra[:10]}")
+        # loss is declared only when true, and in a correctly configured deployment never happens
+        for cp in self.snapshot().checkpoints:
+            if cp.state is CheckpointState.LOST:
+                planned = self.ckpt.offsets.get(cp.batch_id, [])
+                false = planned and all(visible[r] for r in planned)
+                self.violations.append(f"{'FALSE LOST' if false else 'LOST'}: batch {cp.batch_id}: {cp.lost_reason}")
         if len(self.ckpt.commits) < self.n_batches:
             self.violations.append(f"LIVENESS: only {sorted(self.ckpt.commits)} of {self.n_batches} batches committed "
                                    "after the final fault-free restart")
@@ -512,7 +681,9 @@ def run_and_keep(engine: Engine, seed: int, config: FaultConfig | None = None, *
 
 
 def _run_with_current(engine: Engine, seed: int, config: FaultConfig | None, **kw: Any) -> tuple[ScheduleResult, Sim]:
-    keep = kw.pop("keep_on_failure", True)
+    # a failing schedule's rows are deleted too (unless asked to keep them for inspection): a later
+    # schedule's recovery loop would otherwise work on its sink, and no seed would replay alone
+    keep = kw.pop("keep_on_failure", False)
     sim = Sim(seed, engine, config, **kw)
     _current["sim"] = sim
     try:

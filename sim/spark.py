@@ -108,7 +108,7 @@ class Driver:
                 return
             if batch not in ckpt.offsets:
                 self.crash_point(f"batch {batch} before offset log")
-                ckpt.offsets[batch] = batch_input(sim.seed, batch)
+                ckpt.offsets[batch] = sim.plan_input(batch)
             else:
                 sim.trace(f"driver replays batch {batch}")
             self.crash_point(f"batch {batch} after offset log")
@@ -201,6 +201,9 @@ class Driver:
             self.zombie.lease_ids.append(lease.id)
         sim.trace(f"  task b{batch} p{partition} t{task_attempt_id}: {'pre-' if pre_lease else ''}lease "
                   f"{sim.local_lease(lease.id)} {sim.local(lease.transactional_id)}")
+        if sim.faults.roll("zombie_executor"):  # stalls before InitProducerId; Spark gives up on it
+            sim.executor_zombie(lease.transactional_id, rows)
+            raise TaskFailure("executor stalled before init_transactions (its InitProducerId is still on its way)")
         step("after lease")
         # no InitProducerId on a lease older than the bound (its id may be out of quarantine and re-leased)
         if sim.clock.now() - lease.leased_at > timedelta(milliseconds=sim.limits.lease_max_init_age_ms):
@@ -209,7 +212,7 @@ class Driver:
             pid, epoch = sim.model.init_producer_id(lease.transactional_id, sim.timeout_ms)
             step("after init_transactions")
             for i, row in enumerate(rows):
-                sim.model.produce(lease.transactional_id, pid, epoch, sim.topic, _kafka_partition(row), row)
+                sim.model.produce(lease.transactional_id, pid, epoch, sim.topic, kafka_partition(row), row)
                 if i == 0:
                     step("mid produce")
         except KafkaError as exc:
@@ -223,7 +226,7 @@ class Driver:
         return lease.id, PrecommitRecord(pid, epoch, len(rows), sum(len(r) for r in rows))
 
 
-def _kafka_partition(record: str) -> int:
+def kafka_partition(record: str) -> int:
     return sum(record.encode()) % KAFKA_PARTITIONS
 
 

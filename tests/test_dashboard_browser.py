@@ -86,8 +86,13 @@ def test_dashboard_in_a_browser(browser: Any, services: dict[str, ServiceProcess
                                 real_kafka: RealKafka) -> None:
     broker = real_kafka
     quiet = {"COORDINATOR_RECOVERY_ENABLED": "false"}
+    # the sinks are registered through this process: Kafka and recovery timings small enough that
+    # the inventory sink's 500 ms commit margin exceeds the commit reach (rules.CommitReach)
+    short = {"COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS": "100", "COORDINATOR_KAFKA_RETRY_BUDGET_MS": "100",
+             "COORDINATOR_RECOVERY_INTERVAL_MS": "10", "COORDINATOR_RECOVERY_LEADER_TTL_MS": "50"}
     dash = services["dash"] = ServiceProcess(
-        database_url, ADMIN, tmp_path, name="dashboard", env={**quiet, "COORDINATOR_DASHBOARD_VIEWER_TOKEN": VIEWER})
+        database_url, ADMIN, tmp_path, name="dashboard",
+        env={**quiet, **short, "COORDINATOR_DASHBOARD_VIEWER_TOKEN": VIEWER})
     kafka_side = services["kafka"] = ServiceProcess(database_url, ADMIN, tmp_path, name="kafka-side", env={
         **quiet, "COORDINATOR_KAFKA_CONTROL_PLANE": "kafka", "COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS": "2000",
         "COORDINATOR_KAFKA_RETRY_BUDGET_MS": "5000"})

@@ -56,6 +56,7 @@ def test_reachable_broker_and_current_database(real_kafka: RealKafka, database_u
         ("database", "database"): "ok",
         ("database", "migrations"): "ok",
         ("sink orders", "coordinator_timeouts"): "ok",
+        ("sink orders", "commit_reach"): "ok",
         ("sink orders", "bootstrap"): "ok",
         ("sink orders", "advertised_listeners"): "ok",
         ("sink orders", "transactions_supported"): "ok",
@@ -122,7 +123,8 @@ def test_prefix_used_by_a_producer_on_the_broker(real_kafka: RealKafka, capsys: 
 def test_registered_sinks_and_prefix_clash(real_kafka: RealKafka, coordinator: Coordinator, database_url: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     p = prefix()
-    coordinator.register_sink(SinkSpec("orders", p, real_kafka.bootstrap, ["out"], transaction_timeout_ms=120_000), "admin")
+    coordinator.register_sink(SinkSpec("orders", p, real_kafka.bootstrap, ["out"], transaction_timeout_ms=120_000,
+                                       commit_margin_ms=30_000), "admin")  # above the default commit reach
     code, found = doctor(capsys, "--database-url", database_url)  # every registered sink
     assert found[("sink orders", "bootstrap")]["verdict"] == "ok"
     assert found[("sink orders", "prefix_clash")]["verdict"] == "ok"
@@ -196,3 +198,27 @@ def test_a_sink_asked_for_without_a_database_fails_rather_than_checking_nothing(
     assert found[("database", "database")]["verdict"] == "warn"
     registered = found[("sink orders", "registered")]
     assert code == 1 and registered["verdict"] == "fail" and "--database-url" in registered["fix"]
+
+
+def test_a_commit_margin_below_the_commit_reach_fails_and_names_the_numbers(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15 item 6: the margin must exceed request timeout + retry budget + leader failover."""
+    monkeypatch.setenv("COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS", "4000")
+    monkeypatch.setenv("COORDINATOR_KAFKA_RETRY_BUDGET_MS", "8000")
+    code, found = doctor(capsys, "--bootstrap-servers", f"127.0.0.1:{free_port()}", "--prefix", prefix(),
+                         "--transaction-timeout-ms", "60000", "--commit-margin-ms", "6000")
+    reach = found[("sink unregistered", "commit_reach")]
+    assert code == 1 and reach["verdict"] == "fail", reach
+    assert "commit_margin_ms=6000" in reach["detail"]
+    monkeypatch.setenv("COORDINATOR_RECOVERY_LEADER_TTL_MS", "9000")
+    monkeypatch.setenv("COORDINATOR_RECOVERY_INTERVAL_MS", "3000")
+    code, found = doctor(capsys, "--bootstrap-servers", f"127.0.0.1:{free_port()}", "--prefix", prefix(),
+                         "--transaction-timeout-ms", "60000", "--commit-margin-ms", "6000")
+    reach = found[("sink unregistered", "commit_reach")]
+    assert "Kafka request timeout 4000 + commit retry budget 8000 + recovery-leader failover 12000" in reach["detail"]
+    assert "= 24000 ms" in reach["detail"] and "at least 27000" in reach["fix"]
+
+    code, found = doctor(capsys, "--bootstrap-servers", f"127.0.0.1:{free_port()}", "--prefix", prefix(),
+                         "--transaction-timeout-ms", "60000")  # the default margin clears it
+    assert found[("sink unregistered", "commit_reach")]["verdict"] == "ok"

@@ -19,8 +19,9 @@ from prometheus_client import REGISTRY
 from servers import ProtocolClient
 
 from coordinator.api import create_app
-from coordinator.kafka_control import ControlPlaneError, RecordingControlPlane
+from coordinator.kafka_control import ControlPlaneError, RecordingControlPlane, TransactionOutcome
 from coordinator.protocol import errors as e
+from coordinator.protocol import rules
 from coordinator.protocol.invariants import check_invariants, check_unchanged
 from coordinator.protocol.model import Lease
 from coordinator.protocol.model import PartitionResult as PR
@@ -230,6 +231,129 @@ def test_one_refused_winner_does_not_stop_the_others(coordinator: Coordinator, k
     assert final == sorted([LeaseState.LOST, LeaseState.COMMITTED, LeaseState.COMMITTED])
     assert len(kafka.commits) == 2 and len(events(c, "data_lost")) == 1
     assert_invariants(c)
+
+
+# --- which refusals end a commit (issue 15 item 4) ------------------------------------------
+
+
+def test_only_refusals_that_mean_the_transaction_is_gone_are_final() -> None:
+    # Kafka's TransactionCoordinator.endTransaction answers these when the transaction can never
+    # commit; KafkaApis maps PRODUCER_FENCED to INVALID_PRODUCER_EPOCH for EndTxn < v2
+    assert rules.TRANSACTION_GONE_CODES == {"producer_fenced", "invalid_producer_epoch",
+                                            "invalid_producer_id_mapping", "invalid_txn_state", "unknown_producer_id"}
+    for code in ("unknown_server_error", "transactional_id_authorization_failed", "cluster_authorization_failed",
+                 "kafka_error_4242", "request_timed_out", "network_exception", "transaction_abortable"):
+        assert not ControlPlaneError("x", retriable=False, code=code).transaction_gone, code
+
+
+@pytest.mark.parametrize("code", ["unknown_server_error", "transactional_id_authorization_failed", "kafka_error_4242"])
+def test_an_unexpected_broker_error_keeps_the_commit_decided_and_never_aborts_it(
+    coordinator: Coordinator, kafka: RecordingControlPlane, code: str
+) -> None:
+    c = coordinator
+    gen = start(c)
+    attempt, winners = write_batch(c, gen, 0, 2)
+    kafka.fail_next(ControlPlaneError(f"EndTxn: broker answered {code.upper()}", retriable=False, code=code), times=3)
+
+    with pytest.raises(e.Unavailable) as exc:
+        c.commit(NAME, 0, attempt, gen, results(winners), ACTOR)
+    assert exc.value.reason == "kafka_commit_failed"
+    with pytest.raises(e.Unavailable):  # the next try meets the same answer (say, until the ACL is back)
+        c.resume(NAME, 0)
+    assert c.snapshot().checkpoints[0].state is CheckpointState.COMMITTING
+    assert kafka.aborts == []  # the still-committable transactions were not aborted
+    assert not c.get_sink(NAME).halted and events(c, "data_lost") == []
+    assert code.upper() in str(events(c, "commit_failed")[-1]["detail"])
+    assert_invariants(c, settled=False)
+
+    done = c.resume(NAME, 0)  # the broker answers again: the decided commit goes through
+    assert done.checkpoint.state is CheckpointState.COMMITTED
+    assert {t.transactional_id for _, t in kafka.commits} == {w.transactional_id for w in winners}
+    assert_invariants(c)
+
+
+@pytest.mark.parametrize("code", sorted(rules.TRANSACTION_GONE_CODES))
+def test_every_transaction_gone_code_ends_the_commit(coordinator: Coordinator, kafka: RecordingControlPlane,
+                                                     code: str) -> None:
+    c = coordinator
+    gen = start(c)
+    attempt, winners = write_batch(c, gen, 0, 1)
+    kafka.fail_next(ControlPlaneError(code.upper(), retriable=False, code=code))
+    with pytest.raises(e.Conflict) as exc:
+        c.commit(NAME, 0, attempt, gen, results(winners), ACTOR)
+    assert exc.value.reason == e.DATA_LOST and code in exc.value.message
+    # no first offsets were reported: the loss is declared, but not as established
+    assert "NOT verified in the partition log" in exc.value.message
+
+
+# --- "LOST only when true": the partition log decides (issue 15 item 5) ----------------------
+
+
+@pytest.fixture
+def first_offsets(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[tuple[str, int, int]]]:
+    """Stand-in for the first offsets the executor reports with its pre-commit (the pre-commit
+    route that stores them lands with the protocol change): per transactional id."""
+    known: dict[str, list[tuple[str, int, int]]] = {}
+    monkeypatch.setattr("coordinator.service.base._first_offsets", lambda lease: known.get(lease.transactional_id, []))
+    return known
+
+
+def test_a_refused_commit_that_the_log_shows_committed_is_committed_after_all(
+    coordinator: Coordinator, kafka: RecordingControlPlane, first_offsets: dict[str, list[tuple[str, int, int]]]
+) -> None:
+    # the EndTxn was applied, its answer lost, the id initialised again: the retry is fenced
+    c = coordinator
+    gen = start(c)
+    attempt, (winner,) = write_batch(c, gen, 0, 1)
+    first_offsets[winner.transactional_id] = [("out", 0, 17), ("out", 2, 4)]
+    kafka.outcomes[winner.transactional_id] = TransactionOutcome.COMMITTED
+    kafka.fail_next(FENCED)
+
+    done = c.commit(NAME, 0, attempt, gen, results([winner]), ACTOR)
+    assert done.checkpoint.state is CheckpointState.COMMITTED
+    assert kafka.outcome_reads == [(winner.transactional_id, (("out", 0, 17), ("out", 2, 4)))]
+    assert leases_by_id(c)[winner.id].state is LeaseState.COMMITTED
+    (ev,) = events(c, "committed_after_all")
+    assert ev["detail"]["transactional_ids"] == [winner.transactional_id] and ev["detail"]["codes"] == ["producer_fenced"]
+    assert events(c, "data_lost") == [] and not c.get_sink(NAME).halted
+    assert kafka.aborts == []
+    assert_invariants(c)
+
+
+def test_a_refused_commit_is_lost_when_the_log_shows_it_aborted_and_waits_while_it_cannot_tell(
+    coordinator: Coordinator, kafka: RecordingControlPlane, first_offsets: dict[str, list[tuple[str, int, int]]]
+) -> None:
+    c = coordinator
+    gen = start(c)
+    attempt, (winner,) = write_batch(c, gen, 0, 1)
+    first_offsets[winner.transactional_id] = [("out", 1, 3)]
+    kafka.fail_next(FENCED)  # the log cannot tell yet (the abort markers are still being written)
+    with pytest.raises(e.Unavailable):
+        c.commit(NAME, 0, attempt, gen, results([winner]), ACTOR)
+    assert c.snapshot().checkpoints[0].state is CheckpointState.COMMITTING and not c.get_sink(NAME).halted
+
+    kafka.outcomes[winner.transactional_id] = TransactionOutcome.ABORTED
+    kafka.fail_next(FENCED)
+    with pytest.raises(e.Conflict) as exc:
+        c.resume(NAME, 0)
+    assert exc.value.reason == e.DATA_LOST and "loss confirmed in the partition log" in exc.value.message
+    halted = refused(c, kafka, lambda: c.begin_checkpoint(NAME, 1, gen, ACTOR), e.SINK_HALTED_LOST_DATA)
+    assert "loss confirmed" in halted.message
+    assert_invariants(c)
+
+
+def test_the_halt_message_asks_to_check_the_log_before_re_delivering_an_unverified_loss(
+    coordinator: Coordinator, kafka: RecordingControlPlane
+) -> None:
+    c = coordinator
+    gen = start(c)
+    attempt, winners = write_batch(c, gen, 0, 1)
+    kafka.fail_next(FENCED)
+    with pytest.raises(e.Conflict):
+        c.commit(NAME, 0, attempt, gen, results(winners), ACTOR)
+    halted = refused(c, kafka, lambda: c.begin_checkpoint(NAME, 1, gen, ACTOR), e.SINK_HALTED_LOST_DATA)
+    assert "NOT verified" in halted.message and "read_committed consumer first" in halted.message
+    assert "re-deliver its data if needed" not in halted.message
 
 
 def test_invariant_checker_catches_silent_loss(coordinator: Coordinator, kafka: RecordingControlPlane) -> None:

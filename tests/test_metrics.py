@@ -3,8 +3,8 @@ dashboard (deploy/grafana/coordinator-dashboard.json) checked against the names 
 really exports, so the dashboard cannot drift from the code.
 
 The service runs with the record-only Kafka control plane: these tests are about what the
-coordinator counts, not about Kafka. Its recovery loop runs once at start-up and then waits a
-minute, so every figure below comes from the test's own calls.
+coordinator counts, not about Kafka. Its recovery loop runs once at start-up and then waits
+20 s, so every figure below comes from the test's own calls.
 """
 
 from __future__ import annotations
@@ -60,7 +60,10 @@ def value(samples: dict, name: str, **labels: str) -> float:
 @pytest.fixture
 def service(database_url: str, tmp_path: Path) -> Iterator[ServiceProcess]:
     svc = ServiceProcess(database_url, ADMIN, tmp_path, env={
-        "COORDINATOR_RECOVERY_INTERVAL_MS": "60000", "COORDINATOR_RECOVERY_LEADER_TTL_MS": "120000",
+        # a long interval, and Kafka timeouts short enough that the commit reach (43 s) stays below
+        # the default sinks' margin (rules.CommitReach: registration refuses sinks otherwise)
+        "COORDINATOR_RECOVERY_INTERVAL_MS": "20000", "COORDINATOR_RECOVERY_LEADER_TTL_MS": "21000",
+        "COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS": "1000", "COORDINATOR_KAFKA_RETRY_BUDGET_MS": "1000",
     })
     with svc:
         yield svc

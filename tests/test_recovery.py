@@ -216,6 +216,34 @@ def test_run_once_reports_a_commit_refused_for_good_as_lost(
     assert loop.run_once().sinks[NAME].errors == {}
 
 
+def test_an_unexpected_broker_error_keeps_the_commit_decided_with_backoff_and_never_aborts_it(
+    coordinator: Coordinator, kafka: RecordingControlPlane
+) -> None:
+    """Issue 15 item 4: UNKNOWN_SERVER_ERROR (or an authorization failure after an ACL change) is
+    not a refusal that ends a transaction: the loop backs off and tries again; nothing is lost."""
+    c = coordinator
+    now = [0.0]
+    loop = RecoveryLoop(c, interval_ms=50, leader_ttl_ms=10_000, holder="replica-a", monotonic=lambda: now[0])
+    gen = start(c)
+    attempt = begin(c, gen, 0)
+    w = lease(c, gen, 0, attempt, 0)
+    odd = ControlPlaneError("EndTxn: broker answered UNKNOWN_SERVER_ERROR", retriable=False, code="unknown_server_error")
+    kafka.fail_next(odd, times=2)
+    with pytest.raises(e.Unavailable):
+        c.commit(NAME, 0, attempt, gen, [PR(0, w.id)], ACTOR)
+
+    r = loop.run_once(honor_backoff=True).sinks[NAME]
+    assert r.lost == [] and r.committed == [] and 0 in r.commit_pending and "UNKNOWN_SERVER_ERROR" in r.errors["finish"]
+    assert "finish" in loop.run_once(honor_backoff=True).sinks[NAME].skipped  # backing off
+    assert c.snapshot().checkpoints[0].state is CheckpointState.COMMITTING and not c.get_sink(NAME).halted
+    assert kafka.aborts == [] and "data_lost" not in kinds(c)
+
+    now[0] += 60  # the backoff is over, and the broker answers again
+    r = loop.run_once(honor_backoff=True).sinks[NAME]
+    assert r.committed == [0] and c.snapshot().checkpoints[0].state is CheckpointState.COMMITTED
+    assert_invariants(c)
+
+
 # --- expired leases --------------------------------------------------------------------------
 
 

@@ -152,6 +152,27 @@ def test_timeout_aborts_and_bumps_the_epoch_so_a_late_commit_is_fenced() -> None
     assert m.read_committed("out") == [] and m.list_open() == []
 
 
+def test_the_model_answers_the_log_check_at_first_offsets() -> None:
+    m, _ = model()
+    plane, tg = ModelControlPlane(m), KafkaTarget("s", "model", 10_000)
+    txns = {}
+    for tid, partition in (("c", 0), ("a", 1), ("o", 2)):
+        pid, epoch = m.init_producer_id(tid, 10_000)
+        m.produce(tid, pid, epoch, "out", partition, f"{tid}1")
+        m.produce(tid, pid, epoch, "out", partition, f"{tid}2")
+        txns[tid] = PreparedTransaction(tid, pid, epoch)
+    m.end_txn("c", txns["c"].producer_id, txns["c"].producer_epoch, True)
+    m.init_producer_id("c", 10_000)  # re-initialised after its commit: a retry is now fenced
+    m.init_producer_id("a", 10_000)  # fenced and aborted
+    assert plane.transaction_outcome(tg, txns["c"], [("out", 0, 0)]) == "committed"
+    assert plane.transaction_outcome(tg, txns["a"], [("out", 1, 0)]) == "aborted"
+    assert plane.transaction_outcome(tg, txns["o"], [("out", 2, 0)]) == "unknown"  # still open
+    assert plane.transaction_outcome(tg, txns["c"], [("out", 0, 2)]) == "unknown"  # the COMMIT marker
+    assert plane.transaction_outcome(tg, txns["c"], [("out", 0, 9)]) == "unknown"  # beyond the log
+    assert plane.transaction_outcome(tg, txns["c"], []) == "unknown"
+    assert plane.transaction_outcome(tg, txns["c"], [("out", 0, 0), ("out", 1, 0)]) == "unknown"  # disagreeing reads
+
+
 def test_read_committed_stops_at_the_last_stable_offset_and_drops_aborted_records() -> None:
     m, _ = model()
     a = m.init_producer_id("a", 10_000)
@@ -314,3 +335,70 @@ def test_checker_catches_a_stale_generation_being_accepted(engine: Engine, monke
     found = first_violation(engine, FaultConfig().scaled(driver_crash=0.1, zombie_driver=1.0), range(3000, 3040))
     assert found is not None, "no violation within 40 seeds"
     assert any(v.startswith("I5") for v in found.violations), found.report()
+
+
+def test_checker_catches_a_coordinator_that_never_aborts_on_kafka(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """I6 is checked while transactions can still be open (before quiescence moves the clock past
+    every timeout, after which the broker has expired everything and I6 could never fail)."""
+    monkeypatch.setattr(ModelControlPlane, "abort", lambda self, target, transactional_id: None)
+    found = first_violation(engine, FaultConfig(), range(4000, 4040))
+    assert found is not None, "no violation within 40 seeds"
+    assert any(v.startswith("I6: open transactions no unresolved lease explains") for v in found.violations), \
+        found.report()
+
+
+# --- (e) issue 15: each finding as a fault kind -----------------------------------------------------
+
+
+def only(kind: str, rate: float) -> FaultConfig:
+    return FaultConfig().scaled(**{kind: rate})
+
+
+def test_unexpected_end_txn_errors_keep_every_invariant(engine: Engine) -> None:
+    """Item 4: UNKNOWN_SERVER_ERROR, an authorization failure or an unknown code on EndTxn keeps the
+    commit decided; it is retried and nothing is lost."""
+    config = only("kafka_unexpected_error", 0.3)
+    results = [run_one(engine, seed, config, keep_on_failure=False) for seed in range(5000, 5020)]
+    assert sum(r.faults["kafka_unexpected_error"] for r in results) >= 10
+    bad = [r for r in results if not r.ok]
+    assert not bad, bad[0].report()
+
+
+def test_checker_catches_treating_every_refusal_as_final(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 4's broken variant: any non-retriable answer ends the commit (the landed code before the fix)."""
+    monkeypatch.setattr(ControlPlaneError, "transaction_gone", property(lambda self: not self.retriable))
+    found = first_violation(engine, only("kafka_unexpected_error", 0.3), range(5000, 5040))
+    assert found is not None, "no violation within 40 seeds"
+    assert any(v.startswith(("LOST", "FALSE LOST")) for v in found.violations), found.report()
+
+
+# Items 1, 2, 3 and 5 are fixed by the protocol change (quarantine of ids freed from undecided tries
+# longer than EXECUTOR_INIT_REACH_MS, one clock, offsets bound at begin, first offsets reported with
+# the pre-commit). Until it lands the simulation finds each loss on the landed code: these tests
+# fail (strict xfail). When it lands, remove the marks, and make each broken variant a flag of the
+# sim's deployment that disables the fix (the test must then find the loss with the flag set).
+LANDED_CODE_LOSES = "issue 15: the landed code loses data here; fixed by the protocol change"
+
+
+@pytest.mark.xfail(strict=True, reason=LANDED_CODE_LOSES + " (item 1)")
+def test_stalled_executors_whose_init_lands_late_lose_nothing(engine: Engine) -> None:
+    found = first_violation(engine, only("zombie_executor", 0.25), range(6000, 6040))
+    assert found is None, found.report()
+
+
+@pytest.mark.xfail(strict=True, reason=LANDED_CODE_LOSES + " (item 2)")
+def test_replica_clock_skew_and_steps_lose_nothing(engine: Engine) -> None:
+    found = first_violation(engine, only("clock_skew", 1.0).scaled(two_replicas=1.0), range(7000, 7030))
+    assert found is None, found.report()
+
+
+@pytest.mark.xfail(strict=True, reason=LANDED_CODE_LOSES + " (item 3)")
+def test_a_checkpoint_restored_from_an_older_backup_loses_nothing(engine: Engine) -> None:
+    found = first_violation(engine, only("checkpoint_restore", 0.5), range(8000, 8030))
+    assert found is None, found.report()
+
+
+@pytest.mark.xfail(strict=True, reason=LANDED_CODE_LOSES + " (item 5: first offsets with the pre-commit)")
+def test_a_commit_applied_whose_answer_was_lost_before_a_re_init_is_not_declared_lost(engine: Engine) -> None:
+    found = first_violation(engine, only("end_txn_lost_reinit", 0.2), range(9000, 9030))
+    assert found is None, found.report()

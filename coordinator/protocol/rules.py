@@ -65,6 +65,63 @@ def transactional_id_for(prefix: str, ordinal: int) -> str:
     return f"{transactional_id_stem(prefix)}{ordinal}"
 
 
+@dataclass(frozen=True)
+class CommitReach:
+    """How long after a commit is decided its EndTxn may still reach the broker, from the
+    coordinator's settings: the deciding replica's tries (the commit retry budget, the last
+    request in flight up to the Kafka request timeout), or, if that replica dies, the recovery
+    leader's after a failover (the leader TTL plus one loop interval). The timeout gate keeps
+    I4 only if the commit margin exceeds this (DESIGN.md §3 Revisions, "Defaults that keep I4")."""
+
+    request_timeout_ms: int
+    retry_budget_ms: int
+    leader_ttl_ms: int
+    recovery_interval_ms: int
+
+    @property
+    def failover_ms(self) -> int:
+        return self.leader_ttl_ms + self.recovery_interval_ms
+
+    @property
+    def total_ms(self) -> int:
+        return self.request_timeout_ms + self.retry_budget_ms + self.failover_ms
+
+    def describe(self) -> str:
+        return (f"Kafka request timeout {self.request_timeout_ms} + commit retry budget {self.retry_budget_ms} + "
+                f"recovery-leader failover {self.failover_ms} (leader TTL {self.leader_ttl_ms} + loop interval "
+                f"{self.recovery_interval_ms}) = {self.total_ms} ms")
+
+
+# the default margin exceeds the commit reach by at least this much (a request's own latency)
+REACH_SLACK_MS = 3_000
+
+
+def validate_commit_reach(transaction_timeout_ms: int, commit_margin_ms: int, reach: CommitReach) -> None:
+    """Refuse a sink whose margin lets a decided commit's EndTxn land after the broker's timeout."""
+    if transaction_timeout_ms <= reach.total_ms + REACH_SLACK_MS:
+        raise e.Invalid(
+            "transaction_timeout_below_commit_reach",
+            f"transaction_timeout_ms={transaction_timeout_ms} leaves no time for a batch: the commit margin must "
+            f"exceed how long a decided commit may still reach Kafka ({reach.describe()}), so the timeout must be "
+            f"well above {reach.total_ms + REACH_SLACK_MS} ms (at least twice that is sensible), or those settings lower.",
+            field="transaction_timeout_ms",
+            commit_reach_ms=reach.total_ms,
+            transaction_timeout_ms=transaction_timeout_ms,
+        )
+    if commit_margin_ms <= reach.total_ms:
+        raise e.Invalid(
+            "commit_margin_below_commit_reach",
+            f"commit_margin_ms={commit_margin_ms} must exceed how long a decided commit may still reach Kafka: "
+            f"{reach.describe()}; otherwise a commit decided just inside the margin can land after the broker "
+            f"aborted the transaction (I4). Use commit_margin_ms >= {reach.total_ms + REACH_SLACK_MS} (with "
+            f"transaction_timeout_ms above it), or lower those settings.",
+            field="commit_margin_ms",
+            commit_margin_ms=commit_margin_ms,
+            commit_reach_ms=reach.total_ms,
+            transaction_timeout_ms=transaction_timeout_ms,
+        )
+
+
 def validate_timeouts(transaction_timeout_ms: int, commit_margin_ms: int, broker_max_ms: int) -> None:
     if transaction_timeout_ms > broker_max_ms:
         raise e.Invalid(
@@ -90,9 +147,14 @@ def validate_timeouts(transaction_timeout_ms: int, commit_margin_ms: int, broker
         )
 
 
-def default_commit_margin_ms(transaction_timeout_ms: int) -> int:
-    """A tenth of the timeout, at least 5 s (but never the whole timeout)."""
-    return min(max(transaction_timeout_ms // 10, 5_000), transaction_timeout_ms // 2)
+def default_commit_margin_ms(transaction_timeout_ms: int, reach: CommitReach | None = None) -> int:
+    """A tenth of the timeout, at least 5 s (but never the whole timeout); with the coordinator's
+    commit reach, at least the reach plus REACH_SLACK_MS (validation refuses it if that leaves no
+    time for a batch)."""
+    margin = min(max(transaction_timeout_ms // 10, 5_000), transaction_timeout_ms // 2)
+    if reach is not None:
+        margin = max(margin, reach.total_ms + REACH_SLACK_MS)
+    return margin
 
 
 # --- generations and lineage -----------------------------------------------------------------
@@ -420,6 +482,26 @@ def winner_expired(lease: Lease, now: datetime, margin_ms: int) -> bool:
 # --- lost data -------------------------------------------------------------------------------
 
 
+# Kafka's answers to a resume-commit (EndTxn) that mean "this transaction is gone": it can never
+# be committed any more (Kafka's TransactionCoordinator.endTransaction: another producer id on the
+# id, a newer epoch after a fence or the broker's timeout abort, a completed abort, or a broker that
+# forgot the producer; KafkaApis answers INVALID_PRODUCER_EPOCH for PRODUCER_FENCED to EndTxn < v2).
+# Every other answer -- UNKNOWN_SERVER_ERROR, authorization failures after an ACL change, codes we
+# do not know, timeouts, an unreachable broker -- may pass: the commit stays decided and is retried.
+TRANSACTION_GONE_CODES = frozenset({
+    "producer_fenced",
+    "invalid_producer_epoch",
+    "invalid_producer_id_mapping",
+    "invalid_txn_state",
+    "unknown_producer_id",
+})
+
+
+def commit_refusal_is_final(code: str) -> bool:
+    """True only for a refusal after which the transaction can never commit (TRANSACTION_GONE_CODES)."""
+    return code in TRANSACTION_GONE_CODES
+
+
 @dataclass(frozen=True)
 class RefusedCommit:
     """A decided winner whose commit Kafka refused for good."""
@@ -427,12 +509,16 @@ class RefusedCommit:
     lease: Lease
     code: str
     message: str
+    # True: a read_committed read at the transaction's first offsets showed its records dropped.
+    # False: the log could not tell (no first offsets recorded): the loss is not established.
+    confirmed: bool = False
 
 
 def lost_reason(batch_id: int, refused: Sequence[RefusedCommit]) -> str:
     parts = "; ".join(
         f"partition {r.lease.partition} ({r.lease.transactional_id}, producer {r.lease.producer_id} epoch "
-        f"{r.lease.producer_epoch}, {r.lease.records} records): {r.code}"
+        f"{r.lease.producer_epoch}, {r.lease.records} records): {r.code}, "
+        + ("loss confirmed in the partition log" if r.confirmed else "NOT verified in the partition log")
         for r in sorted(refused, key=lambda r: r.lease.partition)
     )
     return f"batch {batch_id}: Kafka refused the decided commit for good: {parts}"[:2000]
@@ -447,8 +533,10 @@ def check_not_halted(sink: Sink) -> None:
         f"sink {sink.name!r} is halted since {sink.halted_at.isoformat()} because data was lost: "
         f"{sink.halted_reason}. Those records were written and pre-committed but Kafka refused "
         "their commit (typically the transaction outlived transaction.timeout.ms, or its producer "
-        "was fenced), so read_committed consumers will never see them. Find the batch in the "
-        "sink's events (kind data_lost), re-deliver its data if needed, then acknowledge with "
+        "was fenced). Find the batch in the sink's events (kind data_lost). Re-deliver records "
+        "only of partitions whose loss is confirmed in the partition log; where it says NOT "
+        "verified, read the partition with a read_committed consumer first (re-delivering "
+        "records that did commit duplicates them). Then acknowledge with "
         f"POST /v1/sinks/{sink.name}/lost-data/acknowledge (admin token, body {{\"reason\": ...}}); "
         "new batches are accepted again after that.",
         halted_reason=sink.halted_reason,

@@ -16,7 +16,14 @@ from sqlalchemy.exc import DBAPIError
 
 from .. import metrics
 from ..clock import Clock, DatabaseClock
-from ..kafka_control import ControlPlaneError, KafkaControlPlane, KafkaTarget, PreparedTransaction
+from ..kafka_control import (
+    ControlPlaneError,
+    FirstOffset,
+    KafkaControlPlane,
+    KafkaTarget,
+    PreparedTransaction,
+    TransactionOutcome,
+)
 from ..protocol import errors as e
 from ..protocol import rules
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
@@ -145,11 +152,26 @@ class CoordinatorBase:
 
         failures = {}
         refused: dict[str, rules.RefusedCommit] = {}  # refused for good: the data is lost
+        after_all: dict[str, str] = {}  # refused, yet the log shows the transaction committed
         for lease, error in zip(pending, self._parallel(commit_one, pending)):
-            if error is not None:
+            if error is None:
+                continue
+            if not error.transaction_gone:  # may still commit: stays COMMITTING, retried with backoff
                 failures[lease.transactional_id] = str(error)
                 if not error.retriable:
-                    refused[lease.transactional_id] = rules.RefusedCommit(lease, error.code, str(error))
+                    log.error("commit of %s (batch %s of sink %s) answered %s: not a refusal that ends a "
+                              "transaction, so it stays decided and is retried; check the coordinator's ACLs "
+                              "and the broker's logs", lease.transactional_id, cp.batch_id, sink.name, error.code)
+                continue
+            outcome = self._log_outcome(target, lease)
+            if outcome is TransactionOutcome.COMMITTED:  # e.g. EndTxn applied, its answer lost, id re-initialised
+                after_all[lease.transactional_id] = error.code
+            elif outcome is TransactionOutcome.ABORTED or not _first_offsets(lease):
+                failures[lease.transactional_id] = str(error)
+                refused[lease.transactional_id] = rules.RefusedCommit(
+                    lease, error.code, str(error), confirmed=outcome is TransactionOutcome.ABORTED)
+            else:  # the log cannot tell yet (abort markers still being written): ask again later
+                failures[lease.transactional_id] = f"{error}; the partition log does not show the outcome yet"
         newly_lost: list[Lease] = []
         outcome: dict[str, Any] = {}
 
@@ -163,8 +185,12 @@ class CoordinatorBase:
                 conn.execute(select(checkpoints).where(checkpoints.c.id == cp.id).with_for_update()).one()
             )
             done = [x.id for x in pending if x.transactional_id not in failures]
-            repo.cas(conn, leases, done, [LeaseState.COMMITTING], LeaseState.COMMITTED, resolved_at=now)
+            changed = repo.cas(conn, leases, done, [LeaseState.COMMITTING], LeaseState.COMMITTED, resolved_at=now)
             repo.release_transactional_ids(conn, done, now)  # a committed winner's id: reusable at once
+            found_committed = [r.transactional_id for r in changed if r.transactional_id in after_all]
+            if found_committed:
+                repo.add_event(conn, sink.id, "committed_after_all", "coordinator", now, cp.id, batch_id=cp.batch_id,
+                               transactional_ids=found_committed, codes=[after_all[t] for t in found_committed])
             # refused winners: their ids are fenced on Kafka (LOST_ABORTING) before they are free
             lost_rows = repo.cas(
                 conn, leases, [r.lease.id for r in refused.values()], [LeaseState.COMMITTING], LeaseState.LOST_ABORTING
@@ -220,10 +246,24 @@ class CoordinatorBase:
             raise e.Unavailable(
                 "kafka_commit_failed",
                 f"the commit of batch {cp.batch_id} is decided but {len(failures)} transaction(s) could "
-                "not be committed on Kafka yet; retry (resume) — the decision stands",
+                "not be committed on Kafka yet; retry (resume) — the decision stands. Kafka: "
+                + "; ".join(f"{tid}: {why}" for tid, why in sorted(failures.items()))[:1000],
                 failures=failures,
             )
         return result
+
+    def _log_outcome(self, target: KafkaTarget, lease: Lease) -> TransactionOutcome:
+        """What a read_committed read at the lease's first offsets shows (UNKNOWN without them)."""
+        assert self.control_plane is not None and lease.producer_id is not None and lease.producer_epoch is not None
+        first = _first_offsets(lease)
+        if not first:
+            return TransactionOutcome.UNKNOWN
+        txn = PreparedTransaction(lease.transactional_id, lease.producer_id, lease.producer_epoch)
+        try:
+            return self.control_plane.transaction_outcome(target, txn, first)
+        except ControlPlaneError as exc:
+            log.warning("could not read the log of %s: %s", lease.transactional_id, exc)
+            return TransactionOutcome.UNKNOWN
 
     def _record_loss(
         self,
@@ -343,6 +383,12 @@ class CoordinatorBase:
         if len(items) <= 1 or self.limits.kafka_parallelism == 1:
             return [fn(x) for x in items]
         return list(self._kafka_pool.map(fn, items))
+
+
+def _first_offsets(lease: Lease) -> list[FirstOffset]:
+    """The (topic, partition, offset) of the transaction's first record per partition, as the
+    executor reports them with its pre-commit (absent on leases pre-committed without them)."""
+    return [tuple(x) for x in (getattr(lease, "first_offsets", None) or ())]  # type: ignore[misc]
 
 
 def _target(sink: Sink) -> KafkaTarget:

@@ -39,7 +39,9 @@ class ProtocolOperations(Reads):
         rules.validate_prefix(spec.transactional_id_prefix)
         margin = spec.commit_margin_ms
         if margin is None:
-            margin = rules.default_commit_margin_ms(spec.transaction_timeout_ms)
+            margin = rules.default_commit_margin_ms(spec.transaction_timeout_ms, self.limits.commit_reach)
+        if self.limits.commit_reach is not None:
+            rules.validate_commit_reach(spec.transaction_timeout_ms, margin, self.limits.commit_reach)
         rules.validate_timeouts(spec.transaction_timeout_ms, margin, self.limits.broker_max_transaction_timeout_ms)
         if check_broker and self.control_plane is not None:
             with self.engine.connect() as conn:

@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 
 from ..kafka_control import OpenTransaction
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
+from ..protocol import rules
 from ..protocol.rules import BeginAction
 
 
@@ -31,6 +32,10 @@ class Limits:
     @property
     def quarantine(self) -> timedelta:
         return timedelta(milliseconds=self.transactional_id_quarantine_ms)
+
+    # the settings' bound on how late a decided commit may reach Kafka (rules.CommitReach): sinks
+    # whose commit margin is not above it are refused; None (library use, tests) skips the check
+    commit_reach: rules.CommitReach | None = None
 
 
 @dataclass(frozen=True)

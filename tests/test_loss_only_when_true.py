@@ -1,0 +1,127 @@
+"""Issue 15 items 4 and 5 on a real Apache Kafka (both transaction versions): which refusals end a
+commit, and the read_committed check that decides whether a refused commit lost data.
+
+Producers are confluent-kafka transactional producers in their own processes (as executors);
+the coordinator's side is the real control plane (coordinator/kafka_wire.py,
+coordinator/kafka_outcome.py). Each transaction writes its own partition of a fresh topic, so its
+first offset there is 0. Error codes the broker cannot be made to send on demand
+(UNKNOWN_SERVER_ERROR, an authorization failure) come from the fault proxy in front of the broker.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kafka.protocol.producer import EndTxnRequest
+from kafka_broker import ProducerProcess, run_transactional_producer
+from real_kafka import RealKafka
+
+from coordinator.kafka_control import (
+    ControlPlaneError,
+    KafkaTarget,
+    PreparedTransaction,
+    TransactionOutcome,
+)
+from coordinator.kafka_wire import KafkaWireControlPlane
+
+TIMEOUT_MS = 60_000
+UNKNOWN_SERVER_ERROR = -1
+TRANSACTIONAL_ID_AUTHORIZATION_FAILED = 53
+
+
+@pytest.fixture
+def plane() -> Iterator[KafkaWireControlPlane]:
+    p = KafkaWireControlPlane(request_timeout_ms=5_000, retry_budget_ms=15_000)
+    yield p
+    p.close()
+
+
+def produce(kafka: RealKafka, topic: str, partition: int) -> PreparedTransaction:
+    tid = f"loss-{uuid.uuid4().hex[:8]}"
+    stats = run_transactional_producer(kafka.bootstrap, tid, topic, partition=partition, records=3,
+                                       transaction_timeout_ms=TIMEOUT_MS)
+    return PreparedTransaction(tid, stats.producer_id, stats.producer_epoch)
+
+
+def test_the_log_tells_committed_from_aborted_and_says_unknown_while_open(
+    kafka_each_tv: RealKafka, plane: KafkaWireControlPlane
+) -> None:
+    kafka = kafka_each_tv
+    topic = kafka.create_topic(partitions=3)
+    target = KafkaTarget("s", kafka.bootstrap, TIMEOUT_MS)
+    committed, aborted, still_open = (produce(kafka, topic, p) for p in range(3))
+    plane.commit(target, committed)
+    plane.abort(target, aborted.transactional_id)
+
+    assert plane.transaction_outcome(target, committed, [(topic, 0, 0)]) is TransactionOutcome.COMMITTED
+    assert plane.transaction_outcome(target, aborted, [(topic, 1, 0)]) is TransactionOutcome.ABORTED
+    # the open transaction holds the last stable offset at its first record: nothing is decided yet
+    assert plane.transaction_outcome(target, still_open, [(topic, 2, 0)]) is TransactionOutcome.UNKNOWN
+    assert plane.transaction_outcome(target, committed, []) is TransactionOutcome.UNKNOWN  # no first offsets
+    assert plane.transaction_outcome(target, committed, [(topic, 0, 999)]) is TransactionOutcome.UNKNOWN
+    plane.abort(target, still_open.transactional_id)
+    assert plane.transaction_outcome(target, still_open, [(topic, 2, 0)]) is TransactionOutcome.ABORTED
+
+
+def test_a_commit_applied_then_fenced_by_a_re_init_is_refused_as_gone_yet_the_log_shows_it_committed(
+    kafka_each_tv: RealKafka, plane: KafkaWireControlPlane
+) -> None:
+    # issue 15 item 5: EndTxn applied, its answer lost; the id is initialised again (a zombie task,
+    # or `coordinator kafka abort-transaction`); the retried commit is refused
+    kafka = kafka_each_tv
+    topic = kafka.create_topic(partitions=1)
+    target = KafkaTarget("s", kafka.bootstrap, TIMEOUT_MS)
+    txn = produce(kafka, topic, 0)
+    plane.commit(target, txn)  # applied; pretend the answer never arrived
+    plane.abort(target, txn.transactional_id)  # InitProducerId bumps the epoch
+    with pytest.raises(ControlPlaneError) as exc:
+        plane.commit(target, txn)
+    assert exc.value.transaction_gone, exc.value.code
+    assert plane.transaction_outcome(target, txn, [(topic, 0, 0)]) is TransactionOutcome.COMMITTED
+    assert [m.value() for m in kafka.read_committed(topic)] != []
+
+
+@pytest.mark.parametrize("error_code", [UNKNOWN_SERVER_ERROR, TRANSACTIONAL_ID_AUTHORIZATION_FAILED])
+def test_an_unexpected_end_txn_error_is_not_final_and_the_transaction_still_commits(
+    kafka_faults: RealKafka, plane: KafkaWireControlPlane, error_code: int
+) -> None:
+    # issue 15 item 4: the answer is refused, but the transaction is still committable
+    kafka = kafka_faults
+    topic = kafka.create_topic(partitions=1)
+    txn = produce(kafka, topic, 0)
+    target = KafkaTarget("s", kafka.proxied_bootstrap, TIMEOUT_MS)
+    kafka.proxy.inject(EndTxnRequest.API_KEY, error_code=error_code)
+    with pytest.raises(ControlPlaneError) as exc:
+        plane.commit(target, txn)
+    assert not exc.value.transaction_gone, exc.value.code
+    assert kafka.proxy.injected[EndTxnRequest.API_KEY] == 1
+    plane.commit(target, txn)  # the coordinator's retry (the answer was not final)
+    assert plane.transaction_outcome(target, txn, [(topic, 0, 0)]) is TransactionOutcome.COMMITTED
+
+
+def test_a_transaction_aborted_at_its_timeout_is_refused_as_gone_and_the_log_confirms_the_loss(
+    kafka_tv2: RealKafka, plane: KafkaWireControlPlane
+) -> None:
+    kafka = kafka_tv2
+    topic = kafka.create_topic(partitions=1)
+    tid = f"loss-{uuid.uuid4().hex[:8]}"
+    proc = ProducerProcess(kafka.bootstrap, tid, topic, records=2, transaction_timeout_ms=2_000)
+    try:
+        stats = proc.wait_ready()
+        assert proc.exited_without_commit() == 0
+    finally:
+        proc.close()
+    txn = PreparedTransaction(tid, stats.producer_id, stats.producer_epoch)
+    target = KafkaTarget("s", kafka.bootstrap, 2_000)
+    deadline = time.monotonic() + 60
+    outcome = TransactionOutcome.UNKNOWN
+    while outcome is TransactionOutcome.UNKNOWN and time.monotonic() < deadline:  # the broker's abort comes
+        time.sleep(1)  # with its transaction-abort scan (transaction.abort.timed.out.transaction.cleanup.interval.ms)
+        outcome = plane.transaction_outcome(target, txn, [(topic, 0, 0)])
+    assert outcome is TransactionOutcome.ABORTED
+    with pytest.raises(ControlPlaneError) as exc:
+        plane.commit(target, txn)
+    assert exc.value.transaction_gone, exc.value.code

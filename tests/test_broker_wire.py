@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from kafka_producers import ProducerProcess, partition_log, run_transactional_producer, run_transactional_producers
+from kafka_producers import partition_log, run_transactional_producer, run_transactional_producers
 from real_kafka import SCRAM_PASSWORD, SCRAM_USER, RealKafka
 from sqlalchemy import Engine
 
@@ -248,7 +248,17 @@ def test_open_transactions_under_the_prefix_are_listed_and_described(
     plane.commit(target(real_kafka.bootstrap), PreparedTransaction(committed.transactional_id, committed.producer_id,
                                                                    committed.producer_epoch))
 
-    found = plane.list_open_transactions(target(real_kafka.bootstrap), prefix)
+    # EndTxn is answered once PrepareCommit is logged; until its markers are written the committed
+    # transaction is still listed (as PrepareCommit: it still holds its partitions' LSO)
+    deadline = time.monotonic() + 30
+    while True:
+        found = plane.list_open_transactions(target(real_kafka.bootstrap), prefix)
+        listed = {t.transactional_id: t.state for t in found}
+        assert listed.get(opened.transactional_id) == "Ongoing", listed
+        if committed.transactional_id not in listed or time.monotonic() > deadline:
+            break
+        assert listed[committed.transactional_id] == "PrepareCommit", listed
+        time.sleep(0.2)
 
     assert [(t.transactional_id, t.producer_id, t.producer_epoch, t.state, t.partitions) for t in found] == [
         (opened.transactional_id, opened.producer_id, opened.producer_epoch, "Ongoing", ((topic, 1),)),
@@ -269,8 +279,6 @@ def test_the_sweep_aborts_an_open_transaction_the_database_does_not_explain(
     try:
         c.register_sink(SinkSpec("orders", prefix, real_kafka.bootstrap, [topic]), ACTOR)
         stranger = run_transactional_producer(real_kafka.bootstrap, f"{prefix}-77", topic, records=2)
-        committed = ProducerProcess(real_kafka.bootstrap, tid("other-app"), topic, records=0, stay=True)
-        committed.close()
         log = partition_log(real_kafka.bootstrap, topic, 0)
         assert (log.high_watermark, log.last_stable_offset) == (2, 0)
 

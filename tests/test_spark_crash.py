@@ -65,6 +65,7 @@ def run_driver(args: dict[str, Any], log: Path, timeout_s: float = 240) -> tuple
     return code, "\n".join(line for line in text.splitlines() if line.startswith("[driver]"))
 
 
+@pytest.mark.timeout(900)  # five Spark driver starts; batches took 40 s each at load average 30 on 2 cores
 def test_driver_killed_at_every_protocol_step_and_restarted(
     kafka_faults: RealKafka, service: ServiceProcess, tmp_path: Path
 ) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 from kafka.protocol.producer import EndTxnRequest
-from kafka_broker import ProducerProcess, run_transactional_producer
+from kafka_producers import ProducerProcess, run_transactional_producer
 from real_kafka import RealKafka
 
 from coordinator.kafka_control import (

@@ -327,7 +327,7 @@ def acknowledge_cmd(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def retire_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    data = _api(args).call("POST", f"/v1/sinks/{args.sink}/retire", {"reason": args.reason})
+    data = _api(args).call("POST", f"/v1/sinks/{_segment(args.sink)}/retire", {"reason": args.reason})
     return data, f"sink {data['name']} retired at {data['retired_at']}; its records and event trail are kept"
 
 
@@ -358,6 +358,15 @@ def _confirm(args: argparse.Namespace, action: str) -> bool:
     return input("Type 'yes' to proceed: ").strip() == "yes"
 
 
+FORCE_COMMIT_WHY = (
+    "coordinator kafka commit-transaction: refused without --force. Committing a transaction the coordinator "
+    "did not decide makes its records visible whatever the bookkeeping says: a losing task attempt's copy of a "
+    "partition lands next to the winner's (duplicates), and an attempt that was never decided shows a partial "
+    "batch that Spark will write again. Use it only when no coordinator can finish the batch and its record names "
+    "this transaction a decided winner (`coordinator checkpoints SINK`, the batch's COMMITTING state); otherwise "
+    "let `coordinator commit SINK BATCH` (resume) do it.")
+
+
 def kafka_cmd(args: argparse.Namespace) -> int:
     from .kafka_control import ControlPlaneError, KafkaTarget, PreparedTransaction
     from .kafka_wire import KafkaWireControlPlane
@@ -367,6 +376,9 @@ def kafka_cmd(args: argparse.Namespace) -> int:
         action = f"abort whatever transaction {tid!r} holds (InitProducerId fences its producer)"
     else:
         action = f"commit transaction {tid!r} of producer id {args.producer_id} epoch {args.epoch} (EndTxn)"
+        if not args.force:
+            print(FORCE_COMMIT_WHY, file=sys.stderr)
+            return 2
     if not _confirm(args, action):
         return 2
     from .settings import Settings
@@ -483,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "commit-transaction":
             k.add_argument("--producer-id", type=_arg("ProducerId"), required=True)
             k.add_argument("--epoch", type=_arg("ProducerEpoch"), required=True)
+            k.add_argument("--force", action="store_true",
+                           help="required: the commit bypasses the coordinator's decision (duplicates if it is not "
+                           "the decided winner)")
         k.add_argument("--transaction-timeout-ms", type=_arg("TransactionTimeoutMs"), default=60_000,
                        help="timeout of the producer that abort initialises on the id (60000)")
         k.add_argument("--timeout-ms", type=_arg("RequestTimeoutMs"), default=10_000, help="per Kafka request (10000)")

@@ -219,11 +219,14 @@ def test_kafka_commit_transaction_by_producer_id_and_epoch(real_kafka: RealKafka
             "--transactional-id", stats.transactional_id, "--producer-id", str(stats.producer_id),
             "--epoch", str(stats.producer_epoch)]
 
-    refused = run(*base, stdin="")  # no --yes and no terminal: nothing is done
+    unforced = run(*base, "--yes")  # a commit outside the coordinator's decision needs --force, and says why
+    assert unforced.returncode == 2 and "refused without --force" in unforced.stderr
+    assert "duplicates" in unforced.stderr and "coordinator commit SINK BATCH" in unforced.stderr
+    refused = run(*base, "--force", stdin="")  # no --yes and no terminal: nothing is done
     assert refused.returncode == 2 and "pass --yes" in refused.stderr
     assert partition_log(real_kafka.bootstrap, topic, 0).markers(stats.producer_id) == []
 
-    out = run(*base, "--yes")
+    out = run(*base, "--force", "--yes")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"committed: transaction '{stats.transactional_id}'")
     after = partition_log(real_kafka.bootstrap, topic, 0)
@@ -246,11 +249,11 @@ def test_kafka_commit_with_a_wrong_epoch_is_refused(real_kafka: RealKafka) -> No
     topic = real_kafka.create_topic(1)
     stats = run_transactional_producer(real_kafka.bootstrap, f"lost-job-{uuid.uuid4().hex[:8]}", topic)
     out = run("kafka", "commit-transaction", "--bootstrap-servers", real_kafka.bootstrap, "--transactional-id",
-              stats.transactional_id, "--producer-id", "-1", "--epoch", "0", "--yes")
+              stats.transactional_id, "--producer-id", "-1", "--epoch", "0", "--force", "--yes")
     # refused before anything is sent: no producer has id -1 (the API's ProducerId bounds the argument)
     assert out.returncode == 2 and "argument --producer-id: Input should be greater than or equal to 0" in out.stderr
     stale = run("kafka", "commit-transaction", "--bootstrap-servers", real_kafka.bootstrap, "--transactional-id",
                 stats.transactional_id, "--producer-id", str(stats.producer_id), "--epoch",
-                str(stats.producer_epoch + 1), "--yes")
+                str(stats.producer_epoch + 1), "--force", "--yes")
     assert stale.returncode == 1 and "producer_fenced (refused for good)" in stale.stderr, stale.stderr
     assert partition_log(real_kafka.bootstrap, topic, 0).markers(stats.producer_id) == []

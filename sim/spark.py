@@ -211,8 +211,10 @@ class Driver:
         try:
             pid, epoch = sim.model.init_producer_id(lease.transactional_id, sim.timeout_ms)
             step("after init_transactions")
+            first: dict[tuple[str, int], int] = {}  # the transaction's first offset per partition
             for i, row in enumerate(rows):
-                sim.model.produce(lease.transactional_id, pid, epoch, sim.topic, kafka_partition(row), row)
+                offset = sim.model.produce(lease.transactional_id, pid, epoch, sim.topic, kafka_partition(row), row)
+                first.setdefault((sim.topic, kafka_partition(row)), offset)
                 if i == 0:
                     step("mid produce")
         except KafkaError as exc:
@@ -223,7 +225,8 @@ class Driver:
         if lease.deadline_at - sim.clock.now() < timedelta(milliseconds=sim.margin_ms):
             raise TaskFailure("transaction deadline inside the commit margin")
         step("after the result (result lost)")
-        return lease.id, PrecommitRecord(pid, epoch, len(rows), sum(len(r) for r in rows))
+        return lease.id, PrecommitRecord(pid, epoch, len(rows), sum(len(r) for r in rows),
+                                         first_offsets=[[t, p, o] for (t, p), o in sorted(first.items())])
 
 
 def kafka_partition(record: str) -> int:

@@ -7,6 +7,7 @@ must catch.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 import time
 import uuid
 from collections import Counter
@@ -372,33 +373,64 @@ def test_checker_catches_treating_every_refusal_as_final(engine: Engine, monkeyp
     assert any(v.startswith(("LOST", "FALSE LOST")) for v in found.violations), found.report()
 
 
-# Items 1, 2, 3 and 5 are fixed by the protocol change (quarantine of ids freed from undecided tries
-# longer than EXECUTOR_INIT_REACH_MS, one clock, offsets bound at begin, first offsets reported with
-# the pre-commit). Until it lands the simulation finds each loss on the landed code: these tests
-# fail (strict xfail). When it lands, remove the marks, and make each broken variant a flag of the
-# sim's deployment that disables the fix (the test must then find the loss with the flag set).
-LANDED_CODE_LOSES = "issue 15: the landed code loses data here; fixed by the protocol change"
+# Items 1, 2, 3 and 5: with the fixes (quarantine of ids freed from undecided tries longer than a
+# stalled try can reach the broker, one clock, offsets bound at begin, first offsets in the
+# pre-commit record) the fault kind loses nothing; with each fix disabled the checker finds the loss.
 
 
-@pytest.mark.xfail(strict=True, reason=LANDED_CODE_LOSES + " (item 1)")
+def first_violation_kw(engine: Engine, config: FaultConfig, seeds: range, **kw: object) -> ScheduleResult | None:
+    for seed in seeds:
+        r = run_one(engine, seed, config, keep_on_failure=False, **kw)
+        if not r.ok:
+            return r
+    return None
+
+
+def test_checker_catches_ids_reused_without_quarantine(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from coordinator.service.results import Limits
+
+    monkeypatch.setattr(rules, "validate_quarantine", lambda *a: None)
+    monkeypatch.setattr(Limits, "quarantine", property(lambda self: timedelta(0)))
+    found = first_violation(engine, only("zombie_executor", 0.25), range(6000, 6060))
+    assert found is not None, "no violation within 60 seeds"
+    assert any(v.startswith(("LOST", "I7", "LIVENESS")) for v in found.violations), found.report()
+
+
+def test_checker_catches_replicas_deciding_on_their_own_clocks(engine: Engine) -> None:
+    found = first_violation_kw(engine, only("clock_skew", 1.0).scaled(two_replicas=1.0), range(7000, 7040),
+                               one_clock=False)
+    assert found is not None, "no violation within 40 seeds"
+
+
+def test_checker_catches_a_replay_over_other_offsets_being_skipped(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rules, "check_offsets", lambda *a: None)
+    found = first_violation(engine, only("checkpoint_restore", 0.5), range(8000, 8040))
+    assert found is not None, "no violation within 40 seeds"
+    assert any(v.startswith("I7") for v in found.violations), found.report()
+
+
+def test_checker_catches_a_loss_declared_without_reading_the_log(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("coordinator.service.base._first_offsets", lambda lease: [])
+    found = first_violation(engine, only("end_txn_lost_reinit", 0.2), range(9000, 9040))
+    assert found is not None, "no violation within 40 seeds"
+    assert any(v.startswith("FALSE LOST") for v in found.violations), found.report()
+
+
 def test_stalled_executors_whose_init_lands_late_lose_nothing(engine: Engine) -> None:
     found = first_violation(engine, only("zombie_executor", 0.25), range(6000, 6040))
     assert found is None, found.report()
 
 
-@pytest.mark.xfail(strict=True, reason=LANDED_CODE_LOSES + " (item 2)")
 def test_replica_clock_skew_and_steps_lose_nothing(engine: Engine) -> None:
     found = first_violation(engine, only("clock_skew", 1.0).scaled(two_replicas=1.0), range(7000, 7030))
     assert found is None, found.report()
 
 
-@pytest.mark.xfail(strict=True, reason=LANDED_CODE_LOSES + " (item 3)")
 def test_a_checkpoint_restored_from_an_older_backup_loses_nothing(engine: Engine) -> None:
     found = first_violation(engine, only("checkpoint_restore", 0.5), range(8000, 8030))
     assert found is None, found.report()
 
 
-@pytest.mark.xfail(strict=True, reason=LANDED_CODE_LOSES + " (item 5: first offsets with the pre-commit)")
 def test_a_commit_applied_whose_answer_was_lost_before_a_re_init_is_not_declared_lost(engine: Engine) -> None:
     found = first_violation(engine, only("end_txn_lost_reinit", 0.2), range(9000, 9030))
     assert found is None, found.report()

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from .executor import TaskResult, TaskSpec, write_partition
+from .stages import StageRetries
 
 # local properties Spark (classic) sets on the thread that runs foreachBatch
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
@@ -46,6 +47,7 @@ class LineageError(RuntimeError):
 
 class WriteJob(Protocol):
     partitions: int | None  # known before the job runs (classic), else None (Connect)
+    stage_retried: bool  # after run: a stage of the job was retried (sparkclient/stages.py)
 
     def run(self, spec: TaskSpec) -> list[TaskResult]: ...
 
@@ -63,17 +65,24 @@ class ClassicWriteJob:
     def __init__(self, df: Any) -> None:
         self._rdd = df.rdd
         self.partitions: int | None = self._rdd.getNumPartitions()
+        self._stages = StageRetries.of(df)
+        # a stage of the job ran twice: two first tries of a partition may have used its pre-lease
+        self.stage_retried = False
 
     def run(self, spec: TaskSpec) -> list[TaskResult]:
         if self.partitions == 0:
             return []
-        return self._rdd.mapPartitionsWithIndex(lambda index, rows: write_partition(spec, index, rows)).collect()
+        known = self._stages.job_ids() if self._stages else set()
+        results = self._rdd.mapPartitionsWithIndex(lambda index, rows: write_partition(spec, index, rows)).collect()
+        self.stage_retried = bool(self._stages and self._stages.retried(self._stages.job_ids() - known))
+        return results
 
 
 class ConnectWriteJob:
     def __init__(self, df: Any) -> None:
         self._df = df
         self.partitions: int | None = None
+        self.stage_retried = False  # no pre-leases on Connect: every task leases its own id
 
     def run(self, spec: TaskSpec) -> list[TaskResult]:
         columns = list(self._df.columns)

@@ -56,6 +56,9 @@ class BatchReport:
                 f"total_ms={self.total_ms}")
 
 
+MAX_STAGE_RETRY_REDOS = 3
+
+
 class ExactlyOnceKafkaWriter:
     """The foreachBatch function. Options are spelled like Spark's Kafka sink plus the
     coordinator's, given as one mapping (sparkclient/options.py).
@@ -79,7 +82,7 @@ class ExactlyOnceKafkaWriter:
 
     # --- the foreachBatch call ----------------------------------------------------------------
 
-    def __call__(self, df: Any, batch_id: int) -> None:
+    def __call__(self, df: Any, batch_id: int, _redo: int = 0) -> None:
         started = time.monotonic()
         o = self.options
         columns = check_schema(df.schema, topic_option=o.topic)  # before anything is written
@@ -130,6 +133,17 @@ class ExactlyOnceKafkaWriter:
                 log.warning("batch %d: could not abort attempt %d after the job failed: %s", batch_id, attempt,
                             abort_error)
             raise
+        if job.stage_retried:
+            # two first tries of a partition may have written on its pre-lease: never commit
+            # this attempt; abort it (its ids are quarantined) and begin the batch again
+            client.abort(batch_id, attempt, generation, "stage_retried")
+            if _redo + 1 >= MAX_STAGE_RETRY_REDOS:
+                raise CoordinatorError(None, "stage_retried", f"batch {batch_id}: a stage of the write job was "
+                                       f"retried in {MAX_STAGE_RETRY_REDOS} attempts in a row; the query stops "
+                                       "and replays the batch when restarted", call="write job")
+            log.warning("batch %d attempt %d: a stage of the write job was retried; attempt aborted, batch "
+                        "begun again", batch_id, attempt)
+            return self(df, batch_id, _redo + 1)
         job_ms = _ms_since(job_started)
         accepted = accepted_results(results, partitions)
         winners = {p: r.lease_id for p, r in accepted.items()}

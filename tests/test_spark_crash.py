@@ -94,7 +94,9 @@ def test_driver_killed_at_every_protocol_step_and_restarted(
     assert code == -9, out
     d1 = detail(1)
     assert [a["state"] for a in d1["attempts"]] == ["ABORTED", "OPEN"]  # the new generation fenced attempt 1
-    assert [x["state"] for x in d1["leases"] if x["attempt"] == 2].count("PRECOMMITTED") == 3
+    # the tasks' pre-commit records die with the driver (they travel only with the commit)
+    attempt2 = [x for x in d1["leases"] if x["attempt"] == 2]
+    assert [x["state"] for x in attempt2].count("LEASED") >= 3 and {x["producer_id"] for x in attempt2} == {None}
 
     # 3. killed once the commit of batch 1 is decided, its EndTxn requests held on the way to Kafka
     proxy.inject(API_END_TXN, action="hold", times=1_000_000)

@@ -15,6 +15,7 @@ accepted, and the coordinator aborts the other: the same situation a speculative
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,9 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
     # the retried tasks: their first attempts' leases lost and ended aborted
     lost = {(x["partition"], x["state"], x["records"]) for x in out.details[3]["leases"] if x["state"] != "COMMITTED"}
     assert {p for p, _, _ in lost} == {0, 1} and all(state == "ABORTED" for _, state, _ in lost), lost
-    assert all(records is not None for _, _, records in lost)  # they had pre-committed
+    # their records never reached the coordinator: a task returns its record to the driver, and only
+    # the results Spark accepted travel with the commit
+    assert all(records is None for _, _, records in lost)
     losing_records = [r for r in out.records if int(r.headers["eos-lease-id"]) in out.losers]
     assert len(losing_records) >= 60  # the aborted copies are in the log; read_committed never showed them
     assert [x["state"] for x in out.details[0]["leases"] if x["partition"] == 1].count("ABORTED") == 1
@@ -310,15 +313,20 @@ def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for
         gen = c.start_generation("query-tasks", "run-1")["generation"]
         before = native_threads()
         for batch in range(3):
-            attempt = c.begin(batch, gen)["attempt"]
+            begun = c.begin(batch, gen, partitions=1)
+            attempt, (pre_lease,) = begun["attempt"], begun["pre_leases"]
             spec = TaskSpec(service.url, token, "tasks", 30_000, 60_000, batch, attempt, gen, real_kafka.bootstrap,
-                            {"linger.ms": 5}, topic, ("key", "value"), True)
+                            {"linger.ms": 5}, topic, ("key", "value"), True, pre_leases={0: pre_lease},
+                            leases_received_at=time.time(), commit_margin_ms=begun["commit_margin_ms"],
+                            max_lease_init_age_ms=begun["max_lease_init_age_ms"])
             (result,) = list(write_partition(spec, 0, [(f"k{batch}-{i}", f"v{batch}-{i}") for i in range(50)]))
+            assert result.lease_id == pre_lease["lease_id"]  # the first try wrote on its pre-lease: no call
             gc.collect()
             assert native_threads() == before, f"batch {batch}: threads left behind"
             assert result.records == 50 and result.lease_id is not None and result.write_ms >= 0
             assert partition_log(real_kafka.bootstrap, topic, 0).has_open_transaction  # released, not ended
-            answer = c.commit(batch, attempt, gen, {0: result.lease_id})
+            assert [x[:2] for x in result.first_offsets] == [[topic, 0]] and result.producer_id is not None
+            answer = c.commit(batch, attempt, gen, {0: result.lease_id}, records={0: result.precommit_record()})
             assert answer["state"] == "COMMITTED" and answer["committed"][0]["records"] == 50
             log = partition_log(real_kafka.bootstrap, topic, 0)
             assert not log.has_open_transaction

@@ -53,6 +53,7 @@ def quiet_coordinator_logs() -> Iterator[None]:
 # --- (a) the seeded schedules ---------------------------------------------------------------------
 
 
+@pytest.mark.timeout(1500)  # ~1-2 min on an idle 2-core machine, 10+ min when it is shared
 def test_300_seeded_schedules_keep_every_invariant(engine: Engine) -> None:
     results = [run_one(engine, seed, FaultConfig()) for seed in range(SCHEDULES)]
     faults: Counter[str] = Counter()
@@ -366,8 +367,11 @@ def test_unexpected_end_txn_errors_keep_every_invariant(engine: Engine) -> None:
 
 
 def test_checker_catches_treating_every_refusal_as_final(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Item 4's broken variant: any non-retriable answer ends the commit (the landed code before the fix)."""
+    """Item 4's broken variant: any non-retriable answer ends the commit (the landed code before the fix).
+    The log check before LOST (item 5) would find such a transaction still open and keep the commit,
+    so it is switched off too: this is the landed code's behaviour, which declared LOST at once."""
     monkeypatch.setattr(ControlPlaneError, "transaction_gone", property(lambda self: not self.retriable))
+    monkeypatch.setattr("coordinator.service.base._first_offsets", lambda lease: [])
     found = first_violation(engine, only("kafka_unexpected_error", 0.3), range(5000, 5040))
     assert found is not None, "no violation within 40 seeds"
     assert any(v.startswith(("LOST", "FALSE LOST")) for v in found.violations), found.report()

@@ -1,4 +1,4 @@
-"""Issue 15 items 4 and 5 on a real Apache Kafka (both transaction versions): which refusals end a
+"""Issue 15 items 1, 4 and 5 on a real Apache Kafka (both transaction versions): which refusals end a
 commit, and the read_committed check that decides whether a refused commit lost data.
 
 Producers are confluent-kafka transactional producers in their own processes (as executors);
@@ -11,6 +11,8 @@ first offset there is 0. Error codes the broker cannot be made to send on demand
 from __future__ import annotations
 
 import time
+from datetime import timedelta
+from typing import Any
 import uuid
 from collections.abc import Iterator
 
@@ -125,3 +127,66 @@ def test_a_transaction_aborted_at_its_timeout_is_refused_as_gone_and_the_log_con
     with pytest.raises(ControlPlaneError) as exc:
         plane.commit(target, txn)
     assert exc.value.transaction_gone, exc.value.code
+
+
+# --- issue 15 item 1 on the real broker: a zombie first try's late InitProducerId ----------------
+
+
+@pytest.mark.parametrize("quarantine", ["kept", "broken"])
+def test_a_stalled_first_try_initialising_late_fences_no_later_batch(
+    kafka_each_tv: RealKafka, engine: Any, monkeypatch: pytest.MonkeyPatch, quarantine: str
+) -> None:
+    """A batch's first try stalls before init_transactions; its retry wins and the commit aborts the
+    stalled try's id. The next batch writes; then the stalled try's InitProducerId reaches the real
+    broker. With the quarantine the next batch is on another id and commits; with the quarantine
+    broken (the landed code: the freed id is leased again at once) the broker fences the next
+    batch's transaction and its commit is refused as gone."""
+    from confluent_kafka import Producer
+    from sqlalchemy import text
+
+    from coordinator.protocol.model import PartitionResult, PrecommitRecord
+    from coordinator.protocol.states import CheckpointState
+    from coordinator.service import Coordinator, Limits, SinkSpec
+
+    if quarantine == "broken":
+        monkeypatch.setattr(Limits, "quarantine", property(lambda self: timedelta(0)))
+    kafka = kafka_each_tv
+    topic = kafka.create_topic(partitions=1)
+    plane = KafkaWireControlPlane(request_timeout_ms=5_000, retry_budget_ms=15_000)
+    c = Coordinator(engine, plane, limits=Limits(kafka_parallelism=1))
+    prefix = f"zombie-{uuid.uuid4().hex[:6]}"
+    try:
+        c.register_sink(SinkSpec("z", prefix, kafka.bootstrap, [topic], transaction_timeout_ms=TIMEOUT_MS,
+                                 commit_margin_ms=6_000), "test")
+        gen, _ = c.start_generation("z", "q1", "r1", "test")
+
+        def write(tid: str, records: int) -> PrecommitRecord:
+            s = run_transactional_producer(kafka.bootstrap, tid, topic, records=records,
+                                           transaction_timeout_ms=TIMEOUT_MS)
+            return PrecommitRecord(s.producer_id, s.producer_epoch, records, records * 10, None, None)
+
+        (stalled,) = c.begin_checkpoint("z", 0, gen, "test", partitions=1).pre_leases  # never initialises
+        retry = c.begin_partition("z", 0, 1, gen, 0, 7)
+        c.commit("z", 0, 1, gen, [PartitionResult(0, retry.id, write(retry.transactional_id, 2))], "test")
+
+        if quarantine == "broken":  # and the stalled try's id first in line, as the landed code's lowest free ordinal
+            with engine.begin() as conn:
+                conn.execute(text("UPDATE transactional_ids SET released_at = released_at - interval '1 hour' "
+                                  "WHERE transactional_id = :t"), {"t": stalled.transactional_id})
+        (nxt,) = c.begin_checkpoint("z", 1, gen, "test", partitions=1).pre_leases
+        assert (nxt.transactional_id == stalled.transactional_id) is (quarantine == "broken")
+        rec = write(nxt.transactional_id, 3)
+        zombie = Producer({"bootstrap.servers": kafka.bootstrap, "transactional.id": stalled.transactional_id,
+                           "transaction.timeout.ms": TIMEOUT_MS, "log_level": 0})
+        zombie.init_transactions(30)  # the stalled try's InitProducerId lands now
+        if quarantine == "kept":
+            done = c.commit("z", 1, 1, gen, [PartitionResult(0, nxt.id, rec)], "test")
+            assert done.checkpoint.state is CheckpointState.COMMITTED
+            assert len(kafka.read_committed(topic)) == 5  # both batches, once each
+        else:
+            with pytest.raises(Exception):  # noqa: B017 - the refusal's type depends on how the loss surfaces
+                c.commit("z", 1, 1, gen, [PartitionResult(0, nxt.id, rec)], "test")
+            assert len(kafka.read_committed(topic)) == 2  # batch 1 is gone: the broker aborted it
+    finally:
+        c.close()
+        plane.close()

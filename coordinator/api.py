@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 # The error statuses each kind of route can answer (413/415/422 are added by InputRoute; 503 is a
 # database that does not answer, or, for the protocol, no Kafka control plane or an exhausted pool)
 ADMIN_ONLY = error_responses(401, 403, 503)
-ON_SINK = error_responses(401, 403, 404, 503)
+ON_SINK = error_responses(401, 403, 404, 409, 503)  # 409: sink_retired (a retired sink takes no calls)
 PROTOCOL = error_responses(401, 403, 404, 409, 503)
 
 bearer_scheme = HTTPBearer(

@@ -174,7 +174,7 @@ class Client:
     def call(self, name: str, fn: Callable[[Coordinator], T], *, retries: int = 12) -> T:
         sim = self.sim
         f = sim.faults
-        for _ in range(retries):
+        for attempt in range(retries):
             replica = sim.pick_replica()
             if f.roll("request_fail"):
                 f.fired("request_fail", name)
@@ -197,6 +197,8 @@ class Client:
                 if exc.reason not in RETRIABLE_UNAVAILABLE:
                     raise
                 sim.trace(f"  {name}: 503 {exc.reason}, retrying")
+                if attempt % 3 == 2:  # the client backs off; the recovery loop runs meanwhile, as it does every interval
+                    sim.recovery_tick(f"while {name} backs off", inject=False)
                 continue
             if f.roll("lost_response"):
                 f.fired("lost_response", name)

@@ -354,3 +354,9 @@ def parse_figure_line(line: str) -> tuple[str, dict[str, str]]:
         elif not figures:
             label.append(word)
     return " ".join(label), figures
+
+
+def cpu_seconds(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each party of cpu_snapshot used between two snapshots (not per wall second:
+    what a fixed amount of work cost, whatever else the machine did meanwhile)."""
+    return {k: (b[k] - a[k]) / CLK_TCK for k in ("postgres", "server", "bench")}

@@ -106,11 +106,8 @@ def stop_all(procs: list[Any]) -> None:
 def start_coordinator(workdir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("COORDINATOR_")}
-    # a 200-winner batch's producers start one after another on 2 cores: room for them to reach
-    # their pre-leases (the bound is about stale leases, not what is measured here)
     env.update(COORDINATOR_DATA_DIR=str(workdir / "coordinator"), COORDINATOR_PORT=str(port),
-               COORDINATOR_KAFKA_CONTROL_PLANE="kafka", COORDINATOR_LOG_LEVEL="warning",
-               COORDINATOR_LEASE_MAX_INIT_AGE_MS="300000")
+               COORDINATOR_KAFKA_CONTROL_PLANE="kafka", COORDINATOR_LOG_LEVEL="warning")
     log = open(workdir / "coordinator.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve"], cwd=REPO_ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
@@ -126,6 +123,27 @@ def create_topic(bootstrap: str, partitions: int) -> str:
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})  # kept alive until the answer
     admin.create_topics([NewTopic(name, partitions, 1)])[name].result(30)
     return name
+
+
+def visible_records(bootstrap: str, topic: str) -> int:
+    """Records a read_committed consumer reads from the topic, to its end (not timed)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"count-{uuid.uuid4().hex[:8]}",
+                         "isolation.level": "read_committed", "enable.auto.commit": False, "log_level": 0})
+    try:
+        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in parts}
+        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+        count, deadline = 0, time.monotonic() + 300
+        while time.monotonic() < deadline:
+            count += sum(m.error() is None for m in consumer.consume(10_000, timeout=1))
+            done = consumer.position([TopicPartition(topic, p) for p in parts])
+            if all(tp.offset >= ends[tp.partition] or ends[tp.partition] == 0 for tp in done):
+                return count
+        raise SystemExit(f"{topic}: not read to its end within 300 s ({count} records so far)")
+    finally:
+        consumer.close()
 
 
 def at_least_once_batch(bootstrap: str, topic: str, *, cached: bool) -> Any:
@@ -266,13 +284,13 @@ def main() -> int:
         else:
             kafka, bootstrap = start_kafka(workdir)
             procs.append(kafka)
-        coordinator_pid = None
+        coordinator_pid = postgres_pid = None  # an external coordinator: every postgres process counts
         if args.coordinator_url:
             url, admin_token = args.coordinator_url, args.admin_token
         else:
             coordinator, url, admin_token = start_coordinator(workdir)
             procs.append(coordinator)
-            coordinator_pid = coordinator.pid
+            coordinator_pid, postgres_pid = coordinator.pid, measure.postgres_pid_under(workdir)
         print(f"broker {bootstrap} ({'given' if args.bootstrap else 'Apache Kafka ' + str(kafka.version) + ', one node, same machine'}), "
               f"coordinator {url}", flush=True)
 
@@ -300,7 +318,9 @@ def main() -> int:
         print(f"data: {args.batches} batches x {args.records_per_batch} records of ~{args.value_bytes + 8} bytes "
               f"({total} records), {args.partitions} Spark partitions per batch, master {args.master}", flush=True)
 
-        def run_path(path: str, data: Path, label: str) -> float:
+        def run_path(path: str, data: Path, label: str) -> tuple[float, dict[str, float], int]:
+            """Seconds and CPU seconds (by party) of the query, then the records a read_committed
+            consumer reads."""
             topic = create_topic(bootstrap, args.topic_partitions)
             checkpoint = workdir / f"chk-{path}-{label}"
             if path == SPARK_SINK:
@@ -317,7 +337,10 @@ def main() -> int:
             def each_batch(df: Any, batch_id: int) -> None:
                 write(df.repartition(args.partitions), batch_id)  # the same partitioning for every path
 
-            return run_query(spark, data, checkpoint, each_batch)
+            before = measure.cpu_snapshot(coordinator_pid, postgres_pid)
+            seconds = run_query(spark, data, checkpoint, each_batch)
+            cpu = measure.cpu_seconds(before, measure.cpu_snapshot(coordinator_pid, postgres_pid))
+            return seconds, cpu, visible_records(bootstrap, topic)
 
         # warm-up (not measured): Python workers, JVM classes, first connections, for every path
         warmup = workdir / "warmup"
@@ -330,12 +353,12 @@ def main() -> int:
         cpu_us: dict[str, list[float]] = {path: [] for path in args.paths}
         for rnd in range(args.rounds):
             for path in args.paths if rnd % 2 == 0 else args.paths[::-1]:
-                before = measure.cpu_snapshot(coordinator_pid, None)
-                seconds = run_path(path, source, str(rnd))
-                cpu = measure.cpu_seconds(before, measure.cpu_snapshot(coordinator_pid, None))
+                seconds, cpu, visible = run_path(path, source, str(rnd))
+                if visible < total or (path == EOS and visible != total):
+                    raise SystemExit(f"{path}: {total} records written, {visible} visible to read_committed")
                 rates[path].append(total / seconds)
                 cpu_us[path].append(sum(cpu.values()) / total * 1e6)
-                print(measure.figure_line(f"round {rnd + 1} {path}", records=total, seconds=seconds,
+                print(measure.figure_line(f"round {rnd + 1} {path}", records=total, visible=visible, seconds=seconds,
                                           records_per_s=total / seconds, cpu_us_per_record=cpu_us[path][-1],
                                           **{f"{k}_cpu_s": v for k, v in cpu.items()}), flush=True)
         for path in args.paths:

@@ -62,9 +62,7 @@ def test_writer_bench_runs_every_path_and_the_commits_on_a_real_broker() -> None
         assert f["records"] == f["visible"] == "1000", f
         assert float(f["records_per_s"]) > 0 and float(f["cpu_us_per_record"]) > 0, f
         assert float(figures[f"path {path}"]["records_per_s"]) > 0
-    # exactly-once costs the coordinator and its Postgres something; Spark's own sink costs them nothing
-    assert float(figures["round 1 exactly-once"]["server_cpu_s"]) > 0
-    assert float(figures["round 1 spark-kafka-sink"]["server_cpu_s"]) < 0.05
+    assert float(figures["round 1 exactly-once"]["server_cpu_s"]) > 0  # the coordinator's share is counted
     for n in (2, 8):
         f = figures[f"commit N={n}"]
         assert f["winners"] == str(n) and f["rounds"] == "1" and float(f["wall_ms_p50"]) > 0, f

@@ -269,6 +269,8 @@ def main() -> int:
     p.add_argument("--commit-sizes", type=int, nargs="*", default=[8, 64, 200], help="winners per timed commit")
     p.add_argument("--commit-rounds", type=int, default=3)
     p.add_argument("--commit-records", type=int, default=100, help="records per winner's transaction")
+    p.add_argument("--writer-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the exactly-once writer, e.g. provenance.headers=false (repeatable)")
     p.add_argument("--master", default="local[2]")
     p.add_argument("--bootstrap", help="an existing Kafka (default: start one with localkafka)")
     p.add_argument("--coordinator-url", help="an existing coordinator (default: start one on an embedded Postgres)")
@@ -332,6 +334,7 @@ def main() -> int:
                 write = ExactlyOnceKafkaWriter({
                     "kafka.bootstrap.servers": bootstrap, "topic": topic, "coordinator.url": url,
                     "coordinator.token": token, "coordinator.sink": sink, "checkpointLocation": str(checkpoint),
+                    **dict(option.split("=", 1) for option in args.writer_option),
                 })
 
             def each_batch(df: Any, batch_id: int) -> None:

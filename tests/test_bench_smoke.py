@@ -46,13 +46,15 @@ def test_protocol_bench_runs_both_modes_and_prints_its_figure_lines(database_url
 
 
 @pytest.mark.real_kafka
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # two JVMs (broker, Spark) and three paths: ~2 min idle, 5 on a loaded machine
 def test_writer_bench_runs_every_path_and_the_commits_on_a_real_broker() -> None:
     """A tiny run of bench/writer_bench.py as a user starts it (its own Kafka via localkafka, its own
     `coordinator serve`): a figure line per path and round (every record visible to read_committed,
     or the bench exits non-zero), a median per path, a commit time per size, the ratios last."""
     cmd = [sys.executable, str(BENCH / "writer_bench.py"), "--batches", "2", "--records-per-batch", "500",
            "--rounds", "1", "--commit-sizes", "2", "8", "--commit-rounds", "1"]
-    out = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=540)
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=840)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if "=" in line]
     figures = dict(measure.parse_figure_line(line) for line in lines)

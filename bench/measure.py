@@ -354,3 +354,25 @@ def parse_figure_line(line: str) -> tuple[str, dict[str, str]]:
         elif not figures:
             label.append(word)
     return " ".join(label), figures
+
+
+def cpu_seconds(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each party of cpu_snapshot used between two snapshots (not per wall second:
+    what a fixed amount of work cost, whatever else the machine did meanwhile)."""
+    return {k: (b[k] - a[k]) / CLK_TCK for k in ("postgres", "server", "bench")}
+
+
+def postgres_pid_under(directory: Path) -> int | None:
+    """The postmaster whose command line names a data directory under `directory` (an embedded
+    Postgres a child process started and detached), for cpu_snapshot; None if there is none."""
+    table = _proc_table()
+    found = set()
+    for pid, (_, comm, _) in table.items():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if comm == "postgres" and str(directory) in cmdline:
+            found.add(pid)
+    roots = [pid for pid in found if table[pid][0] not in found]
+    return roots[0] if len(roots) == 1 else None

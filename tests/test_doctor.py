@@ -181,16 +181,22 @@ def test_database_without_schema(postgres_server_url: str, capsys: pytest.Captur
     assert code == 1 and "no coordinator schema" in found[("database", "migrations")]["detail"]
 
 
-@pytest.mark.parametrize(("margin", "says"), [("60000", "must be below transaction_timeout_ms=60000"),
-                                              ("-1", "must not be negative")])
-def test_a_commit_margin_registration_would_refuse_fails(margin: str, says: str,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_commit_margin_registration_would_refuse_fails(capsys: pytest.CaptureFixture[str]) -> None:
     """The doctor applies the rules registration applies (rules.validate_timeouts)."""
     code, found = doctor(capsys, "--bootstrap-servers", f"127.0.0.1:{free_port()}", "--prefix", prefix(),
-                         "--transaction-timeout-ms", "60000", "--commit-margin-ms", margin)
+                         "--transaction-timeout-ms", "60000", "--commit-margin-ms", "60000")
     timeouts = found[("sink unregistered", "coordinator_timeouts")]
-    assert code == 1 and timeouts["verdict"] == "fail" and says in timeouts["detail"], timeouts
+    assert code == 1 and timeouts["verdict"] == "fail", timeouts
+    assert "must be below transaction_timeout_ms=60000" in timeouts["detail"], timeouts
     assert "registration would be refused" in timeouts["detail"]
+
+
+def test_a_negative_commit_margin_is_refused_before_any_check(capsys: pytest.CaptureFixture[str]) -> None:
+    """The API's input types bound the doctor's arguments too: a negative margin is a usage error."""
+    with pytest.raises(SystemExit) as exc:
+        doctor(capsys, "--bootstrap-servers", f"127.0.0.1:{free_port()}", "--prefix", prefix(),
+               "--commit-margin-ms", "-1")
+    assert exc.value.code == 2 and "--commit-margin-ms" in capsys.readouterr().err
 
 
 def test_a_sink_asked_for_without_a_database_fails_rather_than_checking_nothing(capsys: pytest.CaptureFixture[str]) -> None:

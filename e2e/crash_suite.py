@@ -112,7 +112,7 @@ class Suite:
                "COORDINATOR_ADMIN_TOKEN": self.token, "SINK_NAME": SINK, "TRANSACTIONAL_ID_PREFIX": PREFIX,
                "INPUT_TOPIC": INPUT_TOPIC, "OUTPUT_TOPIC": OUTPUT_TOPIC, "TOPIC_PARTITIONS": "3",
                "TRIGGER": "availableNow", "MAX_RECORDS_PER_BATCH": str(max(n // 12, 1)), "INPUT_RECORDS": str(n),
-               "TRANSACTION_TIMEOUT_MS": "30000", "CHECKPOINT_LOCATION": str(self.dir / "checkpoint"),
+               "CHECKPOINT_LOCATION": str(self.dir / "checkpoint"),
                "SPARK_MASTER": "local[2,4]", "SPARK_JARS": self.jars, "PYSPARK_PYTHON": sys.executable}
         with open(self.job_log, "ab") as log:
             self.log_start = log.tell()
@@ -277,6 +277,10 @@ class Suite:
         return 0 if ok else 1
 
 
+def _terminate(_signum: int, _frame: object) -> None:
+    raise SystemExit(143)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m e2e.crash_suite", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -297,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         directory.mkdir(parents=True)
     suite = Suite(args, directory)
     failed = True
+    signal.signal(signal.SIGTERM, _terminate)  # a SIGTERM stops every part too (through the finally)
     try:
         code = suite.run()
         failed = code == 2

@@ -203,7 +203,9 @@ def txn_state_leaders(bootstrap: str, transactional_ids: list[str]) -> dict[int,
         [topic] = admin.describe_topics(["__transaction_state"])
     finally:
         admin.close()
-    leaders = {p["partition"]: p["leader"] for p in topic["partitions"]}
+    # field names as MetadataResponse names them (older kafka-python: partition / leader)
+    leaders = {p.get("partition_index", p.get("partition")): p.get("leader_id", p.get("leader"))
+               for p in topic["partitions"]}
     counts: dict[int, int] = {}
     for tid in transactional_ids:
         leader = leaders[(java_hash(tid) & 0x7FFFFFFF) % len(leaders)]

@@ -106,6 +106,10 @@ class Replica:
         if wait:
             self.wait_ready()
 
+    def exited(self) -> int | None:
+        """The exit code of a replica that ended on its own (a start while Postgres was down)."""
+        return None if self.proc is None else self.proc.poll()
+
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         import httpx
 

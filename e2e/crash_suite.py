@@ -209,6 +209,14 @@ class Suite:
                 restart()
                 self.say(f"restarted {what}")
 
+    def supervise(self) -> None:
+        """Restart a replica that exited on its own, as a process supervisor would (`coordinator
+        serve` exits when its database does not answer at start)."""
+        for r in self.replicas:
+            if r.exited() is not None and not any(what.endswith(f" {r.name}") for _, what, _ in self.later):
+                self.say(f"coordinator replica {r.name} exited with {r.exited()}; restarting it")
+                r.start(wait=False)
+
     # --- the run --------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -226,6 +234,7 @@ class Suite:
                 self.say(f"gave up after {self.args.timeout:.0f} s; logs in {self.dir}")
                 return 2
             self.restart_due()
+            self.supervise()
             assert self.job is not None
             if self.batches_seen() > seen:
                 seen = self.batches_seen()
@@ -247,14 +256,20 @@ class Suite:
                 if time.monotonic() >= next_at and self.kill(pending[0]):
                     pending.pop(0)
                     next_at = time.monotonic() + self.rng.uniform(3, 7)
-                elif time.monotonic() >= next_at + 30:
-                    self.say(f"nothing to kill for {pending[0]} for 30 s: skipped")
+                elif time.monotonic() >= next_at + 150:
+                    self.say(f"nothing to kill for {pending[0]} for 150 s: skipped")
                     pending.pop(0)
             time.sleep(0.2)
         self.restart_due(everything=True)
         self.kafka.wait_ready()
-        for r in self.replicas:
-            r.wait_ready()
+        for _ in range(5):
+            self.supervise()
+            try:
+                for r in self.replicas:
+                    r.wait_ready()
+                break
+            except RuntimeError as exc:
+                self.say(str(exc))
         if self.args.break_ == "duplicate":
             self.inject_duplicate()
         return self.verify()

@@ -314,11 +314,11 @@ def test_partition_stability_reads_kafkas_offsets_and_names_the_blocking_produce
     assert opened[2].blocking_producer_id == three.producer_id
 
     plane.commit(tg, PreparedTransaction(one.transactional_id, one.producer_id, one.producer_epoch))
-    # EndTxn answers once the decision is logged; the COMMIT markers are written right after it
+    # EndTxn answers once the decision is logged; the COMMIT marker is written (and HW and LSO move) right after
     deadline = time.monotonic() + 30
     while True:
         committed = {p.partition: p for p in plane.partition_stability(tg, [topic])}
-        if committed[0].last_stable_offset == 4 or time.monotonic() > deadline:
+        if (committed[0].high_watermark, committed[0].last_stable_offset) == (4, 4) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     assert (committed[0].high_watermark, committed[0].last_stable_offset) == (4, 4)  # data + COMMIT marker

@@ -197,6 +197,13 @@ def _hook(spec: TaskSpec, partition: int, attempt_number: int) -> Callable[..., 
     return call
 
 
+def producer_socket_timeout_ms(request_timeout_ms: int | None, transaction_timeout_ms: int) -> int:
+    """librdkafka refuses a transactional producer whose socket.timeout.ms (default 60 s) is above
+    transaction.timeout.ms + 100, so a sink with a shorter transaction timeout lowers it. Lowering
+    only shortens how long a stalled request can act, which keeps the id quarantine's bound."""
+    return min(request_timeout_ms or 60_000, transaction_timeout_ms + 100)
+
+
 def _write_transaction(spec: TaskSpec, partition: int, task_attempt_id: int, lease: dict[str, Any],
                        rows: Iterator[Any], hook: Callable[..., None]) -> TaskResult:
     from confluent_kafka import Producer
@@ -204,7 +211,8 @@ def _write_transaction(spec: TaskSpec, partition: int, task_attempt_id: int, lea
     stats = _EosStats()
     # no InitProducerId on an old lease: its id may be past its quarantine and leased again
     check_lease_young_enough(lease, spec.max_lease_init_age_ms, time.time())
-    timeouts = {"socket.timeout.ms": spec.producer_request_timeout_ms} if spec.producer_request_timeout_ms else {}
+    timeouts = {"socket.timeout.ms": producer_socket_timeout_ms(spec.producer_request_timeout_ms,
+                                                                lease["transaction_timeout_ms"])}
 
     producer = Producer({
         **spec.producer_config,

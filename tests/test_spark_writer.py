@@ -396,3 +396,38 @@ def test_the_driver_refuses_coordinator_answers_it_does_not_expect(spark: Any, t
         with pytest.raises(CoordinatorError, match="commit of batch 0 answered winners .*99.* the driver named"):
             ExactlyOnceKafkaWriter(opts, on_batch=reports.append)(empty, 0)
         assert script.requests[-1] == "POST /v1/sinks/odd/checkpoints/0/attempts/1/commit" and reports == []
+
+
+def test_a_sink_with_a_transaction_timeout_below_the_producer_request_timeout_writes(
+    service: ServiceProcess, real_kafka: RealKafka
+) -> None:
+    """librdkafka refuses a transactional producer whose socket.timeout.ms is above
+    transaction.timeout.ms + 100 (the coordinator hands tasks a 60 s request timeout): a sink with a
+    40 s transaction timeout (the shortest the default commit reach allows) still writes and commits, and the producer's own check is what the
+    broken variant (the request timeout passed as is) runs into."""
+    from confluent_kafka import KafkaException, Producer
+
+    from sparkclient.executor import TaskSpec, producer_socket_timeout_ms, write_partition
+
+    topic = real_kafka.create_topic(1)
+    token = register(service, "short-timeout", real_kafka.bootstrap, topic, transaction_timeout_ms=40_000)
+    with pytest.raises(KafkaException, match="socket.timeout.ms"):  # what a task ran into before
+        Producer({"bootstrap.servers": real_kafka.bootstrap, "transactional.id": "short-timeout-probe",
+                  "transaction.timeout.ms": 40_000, "socket.timeout.ms": 60_000})
+    with CoordinatorClient(service.url, token, "short-timeout") as c:
+        gen = c.start_generation("query-short", "run-1")["generation"]
+        begun = c.begin(0, gen, partitions=1)
+        attempt, (pre_lease,) = begun["attempt"], begun["pre_leases"]
+        assert pre_lease["transaction_timeout_ms"] == 40_000
+        spec = TaskSpec(service.url, token, "short-timeout", 30_000, 60_000, 0, attempt, gen, real_kafka.bootstrap,
+                        {}, topic, ("key", "value"), False, pre_leases={0: pre_lease},
+                        leases_received_at=time.time(), commit_margin_ms=begun["commit_margin_ms"],
+                        max_lease_init_age_ms=begun["max_lease_init_age_ms"],
+                        producer_request_timeout_ms=60_000)
+        (result,) = list(write_partition(spec, 0, [(f"k{i}", f"v{i}") for i in range(5)]))
+        answer = c.commit(0, attempt, gen, {0: result.lease_id}, records={0: result.precommit_record()})
+    assert answer["state"] == "COMMITTED" and answer["committed"][0]["records"] == 5
+    assert sorted(r.value for r in read_topic(real_kafka.bootstrap, topic, committed=True)) == [
+        f"v{i}".encode() for i in range(5)]
+    assert producer_socket_timeout_ms(60_000, 40_000) == 40_100
+    assert producer_socket_timeout_ms(5_000, 40_000) == 5_000

@@ -19,6 +19,7 @@
 | `TRIGGER` | `availableNow` | `availableNow`: process what the input holds, then exit; or a processingTime interval (`1 second`): run until Ctrl-C, or with `INPUT_RECORDS` until the input is caught up |
 | `MAX_RECORDS_PER_BATCH` | `0` (no limit) | the Kafka source's `maxOffsetsPerTrigger` (more, smaller batches) |
 | `KAFKA_POLL_TIMEOUT_MS` | `10000` | the Kafka source's `kafkaConsumer.pollTimeoutMs`: a batch whose offsets hold only aborted records waits this long (Spark's default 120 s) |
+| `KAFKA_WAIT_S` | `60` | how long to wait at start for Kafka to answer; then the job exits with status 2 and says what to do |
 | `ROWS_PER_SECOND` | | an older pacing: N records a second (`TRIGGER=1 second`, `MAX_RECORDS_PER_BATCH=N`) unless those are set |
 | `SPARK_MASTER` | `local[2]` | |
 | `SPARK_JARS` | resolved by Maven | Spark's Kafka connector jars, comma-separated (default: `python -m localkafka classpath spark`) |
@@ -68,6 +69,7 @@ SETTINGS = [  # (flag / env name, default, help)
     ("TRIGGER", "availableNow", "availableNow, or a processingTime interval such as '1 second'"),
     ("MAX_RECORDS_PER_BATCH", "0", "the Kafka source's maxOffsetsPerTrigger (0: no limit)"),
     ("KAFKA_POLL_TIMEOUT_MS", "10000", "the Kafka source's kafkaConsumer.pollTimeoutMs"),
+    ("KAFKA_WAIT_S", "60", "how long to wait for Kafka to answer at start"),
     ("SPARK_MASTER", "local[2]", "Spark master"),
     ("SPARK_JARS", None, "Spark's Kafka connector jars, comma-separated (default: resolved by Maven)"),
 ]
@@ -96,7 +98,7 @@ def settings(argv: list[str] | None = None) -> dict[str, str | None]:
     if not args["COORDINATOR_ADMIN_TOKEN"] and not args["COORDINATOR_WRITER_TOKEN"]:
         parser.error("set COORDINATOR_ADMIN_TOKEN (registers the sink) or COORDINATOR_WRITER_TOKEN")
     for name in ("INPUT_RECORDS", "TOPIC_PARTITIONS", "TRANSACTION_TIMEOUT_MS", "MAX_RECORDS_PER_BATCH",
-                 "KAFKA_POLL_TIMEOUT_MS"):
+                 "KAFKA_POLL_TIMEOUT_MS", "KAFKA_WAIT_S"):
         if not str(args[name]).isdigit():
             parser.error(f"{name} must be a whole number, got {args[name]!r}")
     if not args["CHECKPOINT_LOCATION"]:
@@ -128,6 +130,27 @@ def checkpoint_state(location: str) -> tuple[str | None, int | None]:
         query_id = "?"
     commits = [int(p.name) for p in (path / "commits").glob("*") if p.name.isdigit()] if (path / "commits").is_dir() else []
     return query_id, max(commits) if commits else None
+
+
+def wait_for_kafka(bootstrap: str, wait_s: float) -> bool:
+    """True once the cluster answers a metadata request; False after `wait_s` of trying."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            admin.list_topics(timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+            return True
+        except KafkaException:
+            if time.monotonic() >= deadline:
+                return False
+            if not said:
+                say(f"waiting for Kafka at {bootstrap} to answer (up to {wait_s:.0f} s) ...")
+                said = True
+            time.sleep(0.5)
 
 
 def ensure_topic(bootstrap: str, topic: str, partitions: int) -> None:
@@ -223,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         say(f"reusing checkpoint {checkpoint} of query {query_id} (last batch in Spark's commit log: "
             f"{last_batch}): continuing where it stopped; only records after its offsets are read")
     partitions = int(s["TOPIC_PARTITIONS"])
+    if not wait_for_kafka(bootstrap, int(s["KAFKA_WAIT_S"])):
+        say(f"Kafka at {bootstrap} did not answer within {s['KAFKA_WAIT_S']} s: start it (a local node: "
+            "python -m localkafka start) or point KAFKA_BOOTSTRAP_SERVERS (--kafka-bootstrap-servers) at a "
+            "running cluster; nothing was read or written", error=True)
+        return 2
     ensure_topic(bootstrap, s["INPUT_TOPIC"], partitions)
     ensure_topic(bootstrap, s["OUTPUT_TOPIC"], partitions)
     if int(s["INPUT_RECORDS"]):

@@ -28,6 +28,7 @@ from coordinator.kafka_control import (
     TransactionOutcome,
 )
 from coordinator.kafka_wire import KafkaWireControlPlane
+from coordinator.protocol import errors as e
 
 TIMEOUT_MS = 60_000
 UNKNOWN_SERVER_ERROR = -1
@@ -184,8 +185,9 @@ def test_a_stalled_first_try_initialising_late_fences_no_later_batch(
             assert done.checkpoint.state is CheckpointState.COMMITTED
             assert len(kafka.read_committed(topic)) == 5  # both batches, once each
         else:
-            with pytest.raises(Exception):  # noqa: B017 - the refusal's type depends on how the loss surfaces
+            with pytest.raises(e.Conflict) as refused:  # the zombie's InitProducerId fenced batch 1's producer
                 c.commit("z", 1, 1, gen, [PartitionResult(0, nxt.id, rec)], "test")
+            assert refused.value.reason == e.DATA_LOST and "producer_fenced" in refused.value.message
             assert len(kafka.read_committed(topic)) == 2  # batch 1 is gone: the broker aborted it
     finally:
         c.close()

@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.kafka_control import KafkaTarget, PreparedTransaction  # noqa: E402
-from coordinator.kafka_wire import KafkaWireControlPlane  # noqa: E402
+from coordinator.kafka.control_plane import KafkaTarget, PreparedTransaction  # noqa: E402
+from coordinator.kafka.wire.control_plane import KafkaWireControlPlane  # noqa: E402
 
 # opens transactions for the ids given, one partition each, prints {"tid", "pid", "epoch"} lines,
 # exits without committing

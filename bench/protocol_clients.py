@@ -170,7 +170,7 @@ def sink_names(tag: str, mode: str, partitions: int, drivers: int) -> list[str]:
 
 
 def register_inprocess(url: str, names: list[str]) -> list[dict[str, str]]:
-    from coordinator.kafka_control import RecordingControlPlane
+    from coordinator.kafka.control_plane import RecordingControlPlane
     from coordinator.service import Coordinator, SinkSpec
     from coordinator.store.db import make_engine
 

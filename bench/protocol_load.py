@@ -136,7 +136,7 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
         warnings.simplefilter("ignore")
         engine = counter = None
         if job["mode"] == "inprocess":
-            from coordinator.kafka_control import RecordingControlPlane
+            from coordinator.kafka.control_plane import RecordingControlPlane
             from coordinator.service import Coordinator
             from coordinator.store.db import make_engine
 

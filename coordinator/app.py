@@ -10,10 +10,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from .api import create_app
-from .kafka_control import build_control_plane
+from .http.api import create_app
+from .kafka.control_plane import build_control_plane
 from .logs import limit_repeats
-from .recovery import RecoveryLoop
+from .service.recovery import RecoveryLoop
 from .service import Coordinator, Limits
 from .settings import Settings
 from .store.db import make_engine

@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterable
 
 # Loggers whose lines repeat per retry while a broker is down: kafka-python's connection chatter,
 # the wire control plane's retries, the recovery loop's failing steps, the dashboard's broker watch.
-REPEATING = ("kafka", "coordinator.kafka_wire", "coordinator.recovery", "coordinator.broker",
-             "coordinator.dashboard")
+REPEATING = ("kafka", "coordinator.kafka", "coordinator.service.recovery", "coordinator.http.dashboard")
 _ADDRESS = re.compile(r"\b[\w.-]+:\d{2,5}\b")
 _NUMBER = re.compile(r"\d+(\.\d+)?")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.kafka_control import OpenTransaction
+from coordinator.kafka.control_plane import OpenTransaction
 
 # The headers the writer (sparkclient, `provenance.headers=true`) adds to every record.
 PROVENANCE_HEADERS = ("eos-sink", "eos-batch-id", "eos-attempt", "eos-lease-id")

@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from coordinator.kafka_control import ControlPlaneError, KafkaTarget, OpenTransaction
+from coordinator.kafka.control_plane import ControlPlaneError, KafkaTarget, OpenTransaction
 
 from .checker import Record, check, expected_range, read_dump, write_dump
 
@@ -81,7 +81,7 @@ def consume_topic(bootstrap_servers: str, topic: str, *, timeout_s: float = 120.
 
 def open_transactions(bootstrap_servers: str, prefix: str, client_config: dict | None = None) -> list[OpenTransaction]:
     """The broker's open transactions under `prefix` (ListTransactions + DescribeTransactions)."""
-    from coordinator.kafka_wire import KafkaWireControlPlane
+    from coordinator.kafka.wire.control_plane import KafkaWireControlPlane
 
     plane = KafkaWireControlPlane(request_timeout_ms=10_000, retry_budget_ms=30_000, client_config=client_config)
     try:
@@ -92,7 +92,7 @@ def open_transactions(bootstrap_servers: str, prefix: str, client_config: dict |
 
 def unstable_partitions(bootstrap_servers: str, topic: str, client_config: dict | None = None) -> list[str]:
     """Partitions whose last stable offset is below the high watermark, as the broker reports them."""
-    from coordinator.kafka_wire import KafkaWireControlPlane
+    from coordinator.kafka.wire.control_plane import KafkaWireControlPlane
 
     plane = KafkaWireControlPlane(request_timeout_ms=10_000, retry_budget_ms=30_000, client_config=client_config)
     try:

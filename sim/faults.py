@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from coordinator.kafka_control import ControlPlaneError
+from coordinator.kafka.control_plane import ControlPlaneError
 
 
 class CoordinatorCrash(BaseException):

@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from coordinator.clock import ManualClock
-from coordinator.kafka_control import (
+from coordinator.service.clock import ManualClock
+from coordinator.kafka.control_plane import (
     BrokerCheck,
     ControlPlaneError,
     FirstOffset,
@@ -56,7 +56,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class KafkaError(Exception):
-    """A broker refusal, with Kafka's error name in snake case (as coordinator/kafka_wire.py)."""
+    """A broker refusal, with Kafka's error name in snake case (as coordinator/kafka/wire/)."""
 
     def __init__(self, code: str, message: str = "") -> None:
         super().__init__(f"{code.upper()}: {message}" if message else code.upper())
@@ -269,7 +269,7 @@ FaultHook = Callable[[str, str, str], None]
 
 
 class ModelControlPlane:
-    """coordinator.kafka_control.KafkaControlPlane on the model: commit = EndTxn(commit) with the
+    """coordinator.kafka.control_plane.KafkaControlPlane on the model: commit = EndTxn(commit) with the
     stored id / producer id / epoch; abort = InitProducerId on the id. Broker refusals are
     non-retriable ControlPlaneErrors with Kafka's error name as code; faults from the hook are
     whatever it raises (the runner raises retriable ControlPlaneErrors or a process crash)."""

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine, delete, event, select, text
 
-from coordinator.clock import Clock, ManualClock
+from coordinator.service.clock import Clock, ManualClock
 from coordinator.protocol import errors as e
 from coordinator.protocol import recovery_rules
 from coordinator.protocol.invariants import (
@@ -31,7 +31,7 @@ from coordinator.protocol.invariants import (
 )
 from coordinator.protocol.model import Alert
 from coordinator.protocol.states import CheckpointState
-from coordinator.recovery import RecoveryLoop
+from coordinator.service.recovery import RecoveryLoop
 from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.store import repo
 from coordinator.store.tables import (

@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
-from coordinator.clock import ManualClock
-from coordinator.kafka_control import RecordingControlPlane
+from coordinator.service.clock import ManualClock
+from coordinator.kafka.control_plane import RecordingControlPlane
 from coordinator.service import Coordinator, Limits
 from coordinator.store.db import make_engine, migrate, sqlalchemy_url
 

@@ -1,5 +1,5 @@
 """What the deployment files must agree with, read from the code itself: the Settings fields
-(coordinator/settings.py), the app's routes (coordinator/api.py), and small loaders for the
+(coordinator/settings.py), the app's routes (coordinator/http/api.py), and small loaders for the
 compose and kustomize files. Shared by tests/test_deploy_*.py."""
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from coordinator.api import create_app
-from coordinator.kafka_control import PreparedTransaction, RecordingControlPlane
+from coordinator.http.api import create_app
+from coordinator.kafka.control_plane import PreparedTransaction, RecordingControlPlane
 from coordinator.protocol.invariants import check_invariants, check_unchanged
 from coordinator.service import Coordinator
 from coordinator.store.db import make_engine
@@ -560,7 +560,7 @@ def test_readyz_and_commit_without_database_or_control_plane(database_url: str) 
 def test_registration_is_refused_when_the_broker_fails_its_checks(
     admin: ProtocolClient, coordinator: Coordinator, kafka: RecordingControlPlane
 ) -> None:
-    from coordinator.kafka_control import BrokerCheck
+    from coordinator.kafka.control_plane import BrokerCheck
 
     kafka.broker_checks = [
         BrokerCheck("bootstrap", True, "bootstrap server answered: 1 broker(s)"),

@@ -1,4 +1,4 @@
-"""The I/O-free interpretation of broker observations (coordinator/broker.py), the parsing and
+"""The I/O-free interpretation of broker observations (coordinator/kafka/broker.py), the parsing and
 verdict functions of the wire control plane fed with kafka-python response objects (no broker),
 and the two admin endpoints over a record-only control plane on a real Postgres.
 
@@ -26,15 +26,15 @@ from kafka.protocol.consumer.offsets import ListOffsetsResponse
 from kafka.protocol.metadata import MetadataResponse
 from sqlalchemy import Engine
 
-from coordinator.api import create_app
-from coordinator.broker import (
+from coordinator.http.api import create_app
+from coordinator.kafka.broker import (
     PartitionWatch,
     name_blocking_transactions,
     stuck_partitions,
 )
-from coordinator.clock import ManualClock
+from coordinator.service.clock import ManualClock
 from coordinator.protocol.recovery_rules import lingering
-from coordinator.kafka_control import (
+from coordinator.kafka.control_plane import (
     BrokerCheck,
     ControlPlaneError,
     KafkaTarget,
@@ -42,7 +42,7 @@ from coordinator.kafka_control import (
     PartitionStability,
     RecordingControlPlane,
 )
-from coordinator.kafka_wire import (
+from coordinator.kafka.wire.control_plane import (
     OPEN_STATES,
     UnsupportedByBroker,
     authorization_message,

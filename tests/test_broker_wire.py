@@ -23,10 +23,10 @@ from kafka_producers import partition_log, run_transactional_producer, run_trans
 from real_kafka import SCRAM_PASSWORD, SCRAM_USER, RealKafka
 from sqlalchemy import Engine
 
-from coordinator.api import create_app
-from coordinator.clock import ManualClock
-from coordinator.kafka_control import BrokerCheck, ControlPlaneError, KafkaTarget, PreparedTransaction
-from coordinator.kafka_wire import KafkaWireControlPlane
+from coordinator.http.api import create_app
+from coordinator.service.clock import ManualClock
+from coordinator.kafka.control_plane import BrokerCheck, ControlPlaneError, KafkaTarget, PreparedTransaction
+from coordinator.kafka.wire.control_plane import KafkaWireControlPlane
 from coordinator.protocol import errors as e
 from coordinator.protocol.rules import PrecommitRequest
 from coordinator.service import Coordinator, Limits, SinkSpec

@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from servers import ProtocolClient
 from sqlalchemy import Engine
 
-from coordinator.api import create_app
-from coordinator.clock import ManualClock
-from coordinator.kafka_control import RecordingControlPlane
+from coordinator.http.api import create_app
+from coordinator.service.clock import ManualClock
+from coordinator.kafka.control_plane import RecordingControlPlane
 from coordinator.protocol import errors as e
 from coordinator.protocol import rules
 from coordinator.service import Coordinator, Limits, SinkSpec

@@ -1,13 +1,13 @@
-"""The dashboard's health rules (coordinator/dashboard/health.py) and its per-batch figures
-(coordinator/dashboard/views.py) on plain records: no database, no HTTP."""
+"""The dashboard's health rules (coordinator/http/dashboard/health.py) and its per-batch figures
+(coordinator/http/dashboard/views.py) on plain records: no database, no HTTP."""
 
 from __future__ import annotations
 
 import dataclasses
 from datetime import UTC, datetime, timedelta
 
-from coordinator.dashboard.health import Level, Thresholds, sink_health, timeout_bars
-from coordinator.dashboard.views import DURATIONS, bar_chart, batch_row, charts
+from coordinator.http.dashboard.health import Level, Thresholds, sink_health, timeout_bars
+from coordinator.http.dashboard.views import DURATIONS, bar_chart, batch_row, charts
 from coordinator.protocol.model import Attempt, Checkpoint, Lease, Sink
 from coordinator.protocol.states import AttemptState, CheckpointState, LeaseState
 from coordinator.service import CheckpointDetail

@@ -17,13 +17,13 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from servers import ProtocolClient
 
-from coordinator.api import create_app
-from coordinator.broker import PartitionWatch
-from coordinator.clock import ManualClock
-from coordinator.dashboard import create_dashboard
-from coordinator.dashboard.broker_watch import BrokerWatch
-from coordinator.dashboard.routes import SESSION_COOKIE
-from coordinator.kafka_control import ControlPlaneError, OpenTransaction, PartitionStability, RecordingControlPlane
+from coordinator.http.api import create_app
+from coordinator.kafka.broker import PartitionWatch
+from coordinator.service.clock import ManualClock
+from coordinator.http.dashboard import create_dashboard
+from coordinator.http.dashboard.broker_watch import BrokerWatch
+from coordinator.http.dashboard.routes import SESSION_COOKIE
+from coordinator.kafka.control_plane import ControlPlaneError, OpenTransaction, PartitionStability, RecordingControlPlane
 from coordinator.protocol import errors as e
 from coordinator.protocol.invariants import check_unchanged
 from coordinator.service import Coordinator

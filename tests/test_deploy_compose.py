@@ -30,7 +30,7 @@ from deploy_config import (
 )
 from dockerfile_parse import DockerfileParser
 
-from coordinator.api import create_app
+from coordinator.http.api import create_app
 from coordinator.service import Coordinator
 from e2e.verify_output import build_parser
 

@@ -18,7 +18,7 @@ from kafka_producers import run_transactional_producer
 from real_kafka import RealKafka
 from sqlalchemy import Engine
 
-from coordinator.kafka_control import OpenTransaction
+from coordinator.kafka.control_plane import OpenTransaction
 from e2e import verify_output
 from e2e.checker import Record, check, expected_range, read_dump, write_dump
 from sim.faults import FaultConfig
@@ -252,8 +252,8 @@ def test_the_verifier_on_the_real_broker_counts_what_read_committed_sees(
 def test_the_verifier_on_the_real_broker_catches_duplicates_missing_records_and_open_transactions(
     real_kafka: RealKafka, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from coordinator.kafka_control import KafkaTarget
-    from coordinator.kafka_wire import KafkaWireControlPlane
+    from coordinator.kafka.control_plane import KafkaTarget
+    from coordinator.kafka.wire.control_plane import KafkaWireControlPlane
 
     bootstrap = real_kafka.bootstrap
     topic = real_kafka.create_topic(3)

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.kafka_control import RecordingControlPlane
+from coordinator.kafka.control_plane import RecordingControlPlane
 from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.invariants import Snapshot, check_invariants, check_unchanged
 from coordinator.service import Coordinator, Limits, SinkSpec

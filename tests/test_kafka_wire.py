@@ -32,9 +32,9 @@ from kafka_proxy import API_END_TXN, API_FIND_COORDINATOR, API_INIT_PRODUCER_ID
 from real_kafka import RealKafka
 from sqlalchemy import Engine
 
-from coordinator.clock import ManualClock
-from coordinator.kafka_control import ControlPlaneError, KafkaTarget, PreparedTransaction, build_control_plane
-from coordinator.kafka_wire import KafkaWireControlPlane
+from coordinator.service.clock import ManualClock
+from coordinator.kafka.control_plane import ControlPlaneError, KafkaTarget, PreparedTransaction, build_control_plane
+from coordinator.kafka.wire.control_plane import KafkaWireControlPlane
 from coordinator.protocol.invariants import check_invariants
 from coordinator.protocol.model import PartitionResult
 from coordinator.protocol.rules import BeginAction, PrecommitRequest
@@ -423,7 +423,7 @@ def test_more_parallel_calls_than_requests_in_flight_wait_for_a_slot_instead_of_
     p = KafkaWireControlPlane(request_timeout_ms=REQUEST_TIMEOUT_MS, retry_budget_ms=BUDGET_MS,
                               client_config={"max_in_flight_requests_per_connection": 2})
     try:
-        with caplog.at_level("WARNING", logger="coordinator.kafka_wire"), ThreadPoolExecutor(max_workers=12) as pool:
+        with caplog.at_level("WARNING", logger="coordinator.kafka.wire.control_plane"), ThreadPoolExecutor(max_workers=12) as pool:
             list(pool.map(lambda st: p.commit(target(real_kafka.bootstrap), prepared(st)), stats))
     finally:
         p.close()

@@ -2,8 +2,8 @@
 commit, and the read_committed check that decides whether a refused commit lost data.
 
 Producers are confluent-kafka transactional producers in their own processes (as executors);
-the coordinator's side is the real control plane (coordinator/kafka_wire.py,
-coordinator/kafka_outcome.py). Each transaction writes its own partition of a fresh topic, so its
+the coordinator's side is the real control plane (coordinator/kafka/wire/,
+coordinator/kafka/outcome.py). Each transaction writes its own partition of a fresh topic, so its
 first offset there is 0. Error codes the broker cannot be made to send on demand
 (UNKNOWN_SERVER_ERROR, an authorization failure) come from the fault proxy in front of the broker.
 """
@@ -21,13 +21,13 @@ from kafka.protocol.producer import EndTxnRequest
 from kafka_producers import ProducerProcess, run_transactional_producer
 from real_kafka import RealKafka
 
-from coordinator.kafka_control import (
+from coordinator.kafka.control_plane import (
     ControlPlaneError,
     KafkaTarget,
     PreparedTransaction,
     TransactionOutcome,
 )
-from coordinator.kafka_wire import KafkaWireControlPlane
+from coordinator.kafka.wire.control_plane import KafkaWireControlPlane
 from coordinator.protocol import errors as e
 
 TIMEOUT_MS = 60_000

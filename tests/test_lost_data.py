@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 from servers import ProtocolClient
 
-from coordinator.api import create_app
-from coordinator.kafka_control import ControlPlaneError, RecordingControlPlane, TransactionOutcome
+from coordinator.http.api import create_app
+from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane, TransactionOutcome
 from coordinator.protocol import errors as e
 from coordinator.protocol import rules
 from coordinator.protocol.invariants import check_invariants, check_unchanged

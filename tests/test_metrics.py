@@ -21,9 +21,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from servers import REPO_ROOT, ProtocolClient, ServiceProcess
 
-from coordinator.api import create_app
-from coordinator.clock import ManualClock
-from coordinator.kafka_control import PartitionStability, RecordingControlPlane
+from coordinator.http.api import create_app
+from coordinator.service.clock import ManualClock
+from coordinator.kafka.control_plane import PartitionStability, RecordingControlPlane
 from coordinator.service import Coordinator
 
 ADMIN = "metrics-admin-token-9c1d"
@@ -234,7 +234,7 @@ def test_recovery_loop_observes_the_lso_lag(coordinator: Coordinator, kafka: Rec
     gauge stays current without anyone calling the partitions endpoint."""
     from prometheus_client import REGISTRY
 
-    from coordinator.recovery import RecoveryLoop
+    from coordinator.service.recovery import RecoveryLoop
     from coordinator.service import SinkSpec
 
     coordinator.register_sink(SinkSpec("looped", "lp", "kafka:9092", ["events"]), "admin")

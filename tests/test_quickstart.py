@@ -55,7 +55,7 @@ def test_the_quickstart_runs_end_to_end_and_reports_exactly_once_and_runs_again(
 
 def test_a_broken_variant_is_caught_by_the_summarys_check() -> None:
     """The verdict line is computed from the counts: a duplicate or a missing record flips it."""
-    from coordinator.quickstart import Summary
+    from coordinator.cli.quickstart import Summary
 
     ok = dict(records_in=3, records_out=3, distinct_out=3, duplicates=0, missing=0, batches=1,
               dashboard="d", admin_token="t", token_file=Path("f"), job_seconds=1.0)

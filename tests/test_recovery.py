@@ -18,8 +18,8 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, select, text
 
-from coordinator.clock import ManualClock
-from coordinator.kafka_control import (
+from coordinator.service.clock import ManualClock
+from coordinator.kafka.control_plane import (
     ControlPlaneError,
     OpenTransaction,
     RecordingControlPlane,
@@ -36,7 +36,7 @@ from coordinator.protocol.states import (
     LeaseState,
     TransactionalIdState,
 )
-from coordinator.recovery import LeaderLease, RecoveryLoop
+from coordinator.service.recovery import LeaderLease, RecoveryLoop
 from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.store.tables import transactional_ids
 

@@ -23,8 +23,8 @@ import httpx
 import pytest
 from sqlalchemy import Engine, select, text
 
-from coordinator.clock import ManualClock
-from coordinator.kafka_control import ControlPlaneError, RecordingControlPlane
+from coordinator.service.clock import ManualClock
+from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane
 from coordinator.protocol import errors as e
 from coordinator.protocol.invariants import check_invariants
 from coordinator.protocol.model import PartitionResult

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from coordinator.api import create_app
+from coordinator.http.api import create_app
 from coordinator.protocol import rules
 from coordinator.service import Coordinator
 from coordinator.store.tables import events

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, func, select
 
-from coordinator.clock import ManualClock
-from coordinator.kafka_control import ControlPlaneError, PreparedTransaction, RecordingControlPlane
+from coordinator.service.clock import ManualClock
+from coordinator.kafka.control_plane import ControlPlaneError, PreparedTransaction, RecordingControlPlane
 from coordinator.protocol import errors as e
 from coordinator.protocol.invariants import check_committed_unchanged, check_invariants, check_unchanged
 from coordinator.protocol.model import Lease, PartitionResult as PR
 from coordinator.protocol.rules import BeginAction, PrecommitRequest
 from coordinator.protocol.states import AttemptState, CheckpointState, LeaseState, TransactionalIdState
-from coordinator.schemas import BeginOut, CommitOut
+from coordinator.http.schemas import BeginOut, CommitOut
 from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.store.tables import attempts, checkpoints, events, generations, leases, sinks, transactional_ids
 

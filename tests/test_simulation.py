@@ -18,13 +18,13 @@ from kafka_producers import ProducerProcess, partition_log, run_transactional_pr
 from real_kafka import RealKafka
 from sqlalchemy import Engine, select
 
-from coordinator.clock import ManualClock
-from coordinator.kafka_control import (
+from coordinator.service.clock import ManualClock
+from coordinator.kafka.control_plane import (
     ControlPlaneError,
     KafkaTarget,
     PreparedTransaction,
 )
-from coordinator.kafka_wire import KafkaWireControlPlane
+from coordinator.kafka.wire.control_plane import KafkaWireControlPlane
 from coordinator.protocol import rules
 from coordinator.store import repo
 from coordinator.store.tables import leases, transactional_ids

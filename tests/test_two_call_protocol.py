@@ -17,9 +17,9 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, select, text
 
-import coordinator.clock as clock_module
-from coordinator.clock import ManualClock
-from coordinator.kafka_control import RecordingControlPlane
+import coordinator.service.clock as clock_module
+from coordinator.service.clock import ManualClock
+from coordinator.kafka.control_plane import RecordingControlPlane
 from coordinator.protocol import errors as e
 from coordinator.protocol.invariants import check_invariants
 from coordinator.protocol.model import FIRST_TRY_TASK_ATTEMPT, PartitionResult, PrecommitRecord

@@ -30,13 +30,13 @@ def test_repeat_limit_lets_one_line_per_subject_and_interval_through_and_counts_
     for i in range(600):  # ten minutes of a retry every second, from two loggers
         now[0] = float(i)
         for r in (record("kafka.net.manager", f"Bootstrap connection to 127.0.0.1:9 failed (backoff {i % 7}.{i} secs)"),
-                  record("coordinator.recovery", f"step sweep of sink down failed ({i + 1} in a row; next try in 2.0 s)")):
+                  record("coordinator.service.recovery", f"step sweep of sink down failed ({i + 1} in a row; next try in 2.0 s)")):
             if limit.filter(r):
                 shown.append(r.getMessage())
     assert len(shown) == 20, shown  # one per logger per minute
     assert "(59 similar line(s) in the last 60 s not shown)" in shown[2]
     # other loggers, and other brokers, are not held back
-    assert limit.filter(record("coordinator.api", "x")) and limit.filter(record("coordinator.api", "x"))
+    assert limit.filter(record("coordinator.http.api", "x")) and limit.filter(record("coordinator.http.api", "x"))
     assert limit.filter(record("kafka.net.manager", "Bootstrap connection to 127.0.0.2:9 failed"))
     assert subject("connect to kafka-1:9092 failed after 3 tries") == "kafka-1:9092"
 
@@ -83,18 +83,18 @@ def test_a_sweep_the_broker_cannot_answer_is_logged_once_per_change_not_per_try(
         coordinator: Any, kafka: Any, caplog: pytest.LogCaptureFixture) -> None:
     """A broker without KIP-664 (ListTransactions) fails every sweep the same way: one warning, then
     quiet (debug) until the step succeeds (one info line) or fails differently."""
-    from coordinator.kafka_control import ControlPlaneError
-    from coordinator.recovery import RecoveryLoop
+    from coordinator.kafka.control_plane import ControlPlaneError
+    from coordinator.service.recovery import RecoveryLoop
     from coordinator.service.results import SinkSpec
 
     coordinator.register_sink(SinkSpec("old-kafka", "old", "kafka-1:9092", ["out"]), "test", check_broker=False)
     lacking = ControlPlaneError("broker does not support ListTransactions (KIP-664, Kafka >= 3.0)", retriable=False,
                                 code="unsupported_by_broker")
     loop = RecoveryLoop(coordinator, interval_ms=1_000, leader_ttl_ms=10_000)
-    caplog.set_level(logging.DEBUG, logger="coordinator.recovery")
+    caplog.set_level(logging.DEBUG, logger="coordinator.service.recovery")
 
     def warnings() -> list[str]:
-        return [r.getMessage() for r in caplog.records if r.name == "coordinator.recovery" and
+        return [r.getMessage() for r in caplog.records if r.name == "coordinator.service.recovery" and
                 r.levelno >= logging.WARNING and "step sweep" in r.getMessage()]
     try:
         kafka.fail_next(lacking, times=1_000)

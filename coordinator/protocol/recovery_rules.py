@@ -1,7 +1,7 @@
 """What the recovery loop (DESIGN.md §3 step 6) must do, decided from plain records.
 
 Each function takes rows the loop read (and `now` from the coordinator's clock) and returns what
-to act on; the loop does the I/O (coordinator/recovery.py,
+to act on; the loop does the I/O (coordinator/service/recovery.py,
 coordinator/service/recovery_operations.py), every state change still a compare-and-set, so a stale
 decision changes nothing.
 """

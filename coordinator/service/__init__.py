@@ -13,7 +13,7 @@ One module per concern, composed into the one `Coordinator` everyone imports fro
   on Kafka);
 - `protocol_operations.py`: what a driver and its executors call (sinks, generations and lineage,
   begin, leases, pre-commit, commit, resume, abort);
-- `recovery_operations.py`: what the recovery loop runs (coordinator/recovery.py);
+- `recovery_operations.py`: what the recovery loop runs (coordinator/service/recovery.py);
 - `retirement.py`: retiring a sink once nothing of it can be open;
 - `reads.py`: the reads (the API, the dashboard, the CLI, the tests).
 """

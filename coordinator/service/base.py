@@ -14,9 +14,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine, select, text, update
 from sqlalchemy.exc import DBAPIError
 
-from .. import metrics
-from ..clock import Clock, DatabaseClock
-from ..kafka_control import (
+from ..kafka.control_plane import (
     ControlPlaneError,
     FirstOffset,
     KafkaControlPlane,
@@ -30,6 +28,8 @@ from ..protocol.model import Attempt, Checkpoint, Lease, Sink
 from ..protocol.states import ABORT_PENDING_STATES, AttemptState, CheckpointState, LeaseState
 from ..store import repo
 from ..store.tables import attempts, checkpoints, leases, sinks
+from . import metrics
+from .clock import Clock, DatabaseClock
 from .results import AbortOutcome, CommitResult, Limits, _Decision
 
 # one logger for every part of the service package

@@ -13,8 +13,7 @@ from sqlalchemy import Connection, func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import IntegrityError
 
-from .. import metrics
-from ..kafka_control import KafkaTarget
+from ..kafka.control_plane import KafkaTarget
 from ..protocol import errors as e
 from ..protocol import rules
 from ..protocol.model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PartitionResult, Sink
@@ -22,6 +21,7 @@ from ..protocol.rules import BeginAction, PrecommitRequest
 from ..protocol.states import LOST_LEASE_STATES, UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
 from ..store import repo
 from ..store.tables import attempts, checkpoints, generations, leases, sinks
+from . import metrics
 from .base import log
 from .reads import Reads
 from .results import AbortOutcome, BeginResult, CommitResult, SinkSpec, _Decision

@@ -1,4 +1,4 @@
-"""The recovery operations, run by the recovery loop (coordinator/recovery.py) so that nobody
+"""The recovery operations, run by the recovery loop (coordinator/service/recovery.py) so that nobody
 needs to call back: finish decided commits, run pending aborts, abort expired leases, warn of
 transactions near their timeout, sweep lingering transactions; and the operator's event trail."""
 
@@ -9,14 +9,14 @@ from typing import Any
 from sqlalchemy import Connection, func, select
 from sqlalchemy.exc import DBAPIError
 
-from .. import metrics
-from ..kafka_control import ControlPlaneError, KafkaTarget, OpenTransaction
+from ..kafka.control_plane import ControlPlaneError, KafkaTarget, OpenTransaction
 from ..protocol import errors as e
 from ..protocol import recovery_rules, rules
 from ..protocol.model import Lease, Sink
 from ..protocol.states import ABORT_PENDING_STATES, UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
 from ..store import repo
 from ..store.tables import attempts, checkpoints, events, leases, transactional_ids
+from . import metrics
 from .base import _target, log
 from .reads import Reads
 from .results import AbortOutcome, FinishOutcome, SweepOutcome
@@ -26,7 +26,7 @@ class RecoveryOperations(Reads):
     """What the recovery loop runs (on Reads: the sweep asks get_sink and
     possibly_open_transactions)."""
 
-    # --- recovery (driven by coordinator/recovery.py) ------------------------------------------
+    # --- recovery (driven by coordinator/service/recovery.py) ------------------------------------------
 
     def run_pending_aborts(self, name: str) -> AbortOutcome:
         """Abort on Kafka every transaction the database marks ABORTING (recovery loop's job)."""

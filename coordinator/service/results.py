@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from ..kafka_control import OpenTransaction
+from ..kafka.control_plane import OpenTransaction
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
 from ..protocol import rules
 from ..protocol.rules import BeginAction

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .http_input import (
+from .input import (
     AbortReason,
     BootstrapServers,
     CommitMarginMs,
@@ -31,8 +31,8 @@ from .http_input import (
     TransactionalIdPrefix,
     TransactionTimeoutMs,
 )
-from .protocol.model import Attempt, Checkpoint, Lease, PartitionResult, PrecommitRecord, Sink
-from .service import AbortOutcome, BeginResult, CommitResult
+from ..protocol.model import Attempt, Checkpoint, Lease, PartitionResult, PrecommitRecord, Sink
+from ..service import AbortOutcome, BeginResult, CommitResult
 
 MAX_COMMIT_PARTITIONS = 100_000  # COORDINATOR_MAX_PARTITIONS' ceiling; the service applies the configured one
 
@@ -376,7 +376,7 @@ class EventOut(BaseModel):
     detail: dict[str, Any]
 
 
-# --- broker observations (coordinator/broker.py) -------------------------------------------------
+# --- broker observations (coordinator/kafka/broker.py) -------------------------------------------------
 
 
 class BrokerCheckOut(BaseModel):

@@ -1,5 +1,5 @@
 """The operator dashboard's HTTP side: login, pages, operator actions. Mounted by
-coordinator/api.py under /dashboard as its own small app (its session cookie never touches the API).
+coordinator/http/api.py under /dashboard as its own small app (its session cookie never touches the API).
 
 Auth: a login form takes the admin token, or the read-only viewer token
 (COORDINATOR_DASHBOARD_VIEWER_TOKEN), and the operator's name. The session lives in a signed
@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.sessions import SessionMiddleware
 
 from ..auth import tokens_equal
-from ..http_input import (
+from ..input import (
     AbortReason,
     AttemptNumber,
     BatchId,
@@ -44,8 +44,8 @@ from ..http_input import (
     parse_form,
     read_body,
 )
-from ..protocol import errors as e
-from ..service import Coordinator
+from ...protocol import errors as e
+from ...service import Coordinator
 from .broker_watch import BrokerWatch
 from .health import Thresholds
 from .views import Views
@@ -86,7 +86,7 @@ class Action:
     needs: tuple[str, ...]  # of PARAMETERS' keys
     describe: Callable[[dict[str, Any]], str]  # what will happen, for the confirmation page
     perform: Callable[[Coordinator, dict[str, Any], Operator, str], str]  # -> what happened
-    reason: Any = Reason  # the type of the reason the form asks for (coordinator/http_input.py)
+    reason: Any = Reason  # the type of the reason the form asks for (coordinator/http/input.py)
 
 
 PARAMETERS = {"sink": SinkName, "batch": BatchId, "attempt": AttemptNumber}  # the API's own types
@@ -192,7 +192,7 @@ def create_dashboard(
         finally:
             broker.close()
 
-    # (mounted, this lifespan runs only from the parent's: coordinator/api.py enters it)
+    # (mounted, this lifespan runs only from the parent's: coordinator/http/api.py enters it)
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.router.route_class = InputRoute  # the API's checks of path and query strings
     secret = session_secret(token_secret)

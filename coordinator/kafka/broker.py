@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
-from . import metrics
-from .kafka_control import (
+from ..service import metrics
+from .control_plane import (
     BrokerCheck,
     ControlPlaneError,
     KafkaControlPlane,
@@ -40,15 +40,15 @@ from .kafka_control import (
     OpenTransaction,
     PartitionStability,
 )
-from .protocol import errors as e
-from .protocol import recovery_rules, rules
-from .protocol.model import Lease, Sink
-from .protocol.states import UNRESOLVED_LEASE_STATES
-from .store import repo
-from .store.tables import leases, transactional_ids
+from ..protocol import errors as e
+from ..protocol import recovery_rules, rules
+from ..protocol.model import Lease, Sink
+from ..protocol.states import UNRESOLVED_LEASE_STATES
+from ..store import repo
+from ..store.tables import leases, transactional_ids
 
 if TYPE_CHECKING:
-    from .service import Coordinator
+    from ..service import Coordinator
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .protocol import errors as e
-from .protocol.rules import _NAME_RE, _PREFIX_RE, MAX_NAME_LENGTH, MAX_PREFIX_LENGTH
+from ..protocol import errors as e
+from ..protocol.rules import _NAME_RE, _PREFIX_RE, MAX_NAME_LENGTH, MAX_PREFIX_LENGTH
 
 # --- limits ------------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
-from .protocol.rules import commit_refusal_is_final
+from ..protocol.rules import commit_refusal_is_final
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class RecordingControlPlane:
 def build_control_plane(kind: str | None, **kafka_options: Any) -> KafkaControlPlane | None:
     """`None` (not configured): the service runs, but refuses to decide commits (503) and leaves
     aborts pending, because it cannot act on Kafka. "none": the recording test mode. "kafka": the
-    real control plane on Kafka's wire protocol (coordinator/kafka_wire.py), built with
+    real control plane on Kafka's wire protocol (coordinator/kafka/wire/), built with
     `kafka_options` (timeouts, retry budget, client security settings)."""
     if kind is None:
         log.warning(
@@ -238,7 +238,7 @@ def build_control_plane(kind: str | None, **kafka_options: Any) -> KafkaControlP
         )
         return RecordingControlPlane()
     if kind == "kafka":
-        from .kafka_wire import KafkaWireControlPlane  # imports kafka-python only when chosen
+        from .wire.control_plane import KafkaWireControlPlane  # imports kafka-python only when chosen
 
         return KafkaWireControlPlane(**kafka_options)
     raise ValueError(f"unknown Kafka control plane {kind!r}")

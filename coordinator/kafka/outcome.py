@@ -22,7 +22,7 @@ from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
-from .kafka_control import FirstOffset, TransactionOutcome, combine_outcomes
+from .control_plane import FirstOffset, TransactionOutcome, combine_outcomes
 
 log = logging.getLogger(__name__)
 

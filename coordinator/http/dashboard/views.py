@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ..protocol.model import Attempt, Checkpoint, Lease, Sink
-from ..protocol.states import CheckpointState, LeaseState
-from ..service import CheckpointDetail, Coordinator, PoolUsage
+from ...protocol.model import Attempt, Checkpoint, Lease, Sink
+from ...protocol.states import CheckpointState, LeaseState
+from ...service import CheckpointDetail, Coordinator, PoolUsage
 from .broker_watch import BrokerView, BrokerWatch
 from .health import Health, Thresholds, TimeoutBar, ms_between, sink_health, timeout_bars
 

@@ -26,10 +26,10 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, select, text
 
-from .kafka_control import BrokerCheck, KafkaTarget
-from .protocol import errors as e
-from .protocol import rules
-from .settings import Settings
+from ..kafka.control_plane import BrokerCheck, KafkaTarget
+from ..protocol import errors as e
+from ..protocol import rules
+from ..settings import Settings
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -69,7 +69,7 @@ def check_database(url: str | None) -> tuple[list[Finding], Engine | None]:
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
-    from .store.db import alembic_config, sqlalchemy_url
+    from ..store.db import alembic_config, sqlalchemy_url
 
     if url is None:
         return [Finding("database", "database", WARN,
@@ -112,7 +112,7 @@ def check_database(url: str | None) -> tuple[list[Finding], Engine | None]:
 
 
 def registered_sinks(engine: Engine) -> list[SinkUnderCheck]:
-    from .store.tables import sinks
+    from ..store.tables import sinks
 
     with engine.connect() as conn:
         rows = conn.execute(select(sinks).order_by(sinks.c.name)).all()
@@ -121,7 +121,7 @@ def registered_sinks(engine: Engine) -> list[SinkUnderCheck]:
 
 
 def known_ids(engine: Engine, sink_name: str) -> set[str]:
-    from .store.tables import sinks, transactional_ids
+    from ..store.tables import sinks, transactional_ids
 
     with engine.connect() as conn:
         rows = conn.execute(
@@ -187,7 +187,7 @@ def check_commit_reach(sink: SinkUnderCheck, settings: Settings) -> Finding:
 
 
 def check_broker(sink: SinkUnderCheck, known: set[str], settings: Settings, request_timeout_ms: int) -> list[Finding]:
-    from .kafka_wire import KafkaWireControlPlane
+    from ..kafka.wire.control_plane import KafkaWireControlPlane
 
     options = settings.kafka_options()
     plane = KafkaWireControlPlane(request_timeout_ms=request_timeout_ms, retry_budget_ms=request_timeout_ms,

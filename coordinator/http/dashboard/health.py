@@ -5,7 +5,7 @@ One verdict per sink, the worst of its findings:
 - lost      (critical) the sink is halted: a decided commit was refused by Kafka for good and an
                        operator must acknowledge it (`Sink.halted`);
 - stuck     (critical) a partition's last stable offset stopped below its high watermark: an open
-                       transaction freezes every read_committed consumer of it (coordinator/broker.py);
+                       transaction freezes every read_committed consumer of it (coordinator/kafka/broker.py);
 - near_timeout (warn)  a pre-committed or decided transaction is past 80 % of its transaction
                        timeout (recovery_rules.near_timeout, the rule the recovery loop warns with);
 - lingering (warn)     open transactions under the sink's prefix that no unresolved lease explains
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import IntEnum
 
-from ..protocol import recovery_rules, rules
-from ..protocol.model import Attempt, Checkpoint, Lease, Sink
-from ..protocol.states import CheckpointState
+from ...protocol import recovery_rules, rules
+from ...protocol.model import Attempt, Checkpoint, Lease, Sink
+from ...protocol.states import CheckpointState
 
 
 class Level(IntEnum):

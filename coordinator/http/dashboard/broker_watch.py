@@ -1,5 +1,5 @@
 """The dashboard's view of the broker, per sink: stuck last stable offsets and lingering
-transactions (coordinator/broker.py: `observe_partitions`, `lingering_transactions`).
+transactions (coordinator/kafka/broker.py: `observe_partitions`, `lingering_transactions`).
 
 A page must not hang on a slow or unreachable broker (the Kafka control plane retries for up to
 its retry budget), so each sink's observation runs in a background thread: a page waits at most
@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..broker import BlockingTransaction, PartitionWatch, StuckPartition, lingering_transactions, observe_partitions
-from ..kafka_control import ControlPlaneError, OpenTransaction
-from ..protocol import errors as e
+from ...kafka.broker import BlockingTransaction, PartitionWatch, StuckPartition, lingering_transactions, observe_partitions
+from ...kafka.control_plane import ControlPlaneError, OpenTransaction
+from ...protocol import errors as e
 
 if TYPE_CHECKING:
-    from ..service import Coordinator
+    from ...service import Coordinator
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,9 @@ from typing import Any
 
 from sqlalchemy import Engine, text
 
-from . import metrics
-from .broker import record_lso_lag
-from .kafka_control import ControlPlaneError
-from .service import Coordinator
+from ..kafka.broker import record_lso_lag
+from ..kafka.control_plane import ControlPlaneError
+from . import Coordinator, metrics
 
 log = logging.getLogger(__name__)
 

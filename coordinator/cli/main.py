@@ -3,7 +3,7 @@
   serve, migrate        run the service; apply schema migrations
   quickstart            a local end-to-end run: embedded Postgres, a real Kafka node, the coordinator,
                         the example Spark pipeline, a read_committed check and a summary
-  doctor                check the database, migrations, Kafka and the sinks' settings (coordinator/doctor.py)
+  doctor                check the database, migrations, Kafka and the sinks' settings (coordinator/cli/doctor.py)
   sinks, checkpoints, transactions, commit, abort, acknowledge, retire
                         operator commands against a running coordinator (HTTP, admin token)
   kafka abort-transaction, kafka commit-transaction
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from . import DEFAULT_DATA_DIR
+from .. import DEFAULT_DATA_DIR
 
 log = logging.getLogger("coordinator")
 
@@ -61,11 +61,11 @@ def admin_token_file(data_dir: Path) -> tuple[str, bool]:
 
 
 def _arg(type_name: str) -> Callable[[str], Any]:
-    """An argparse type from the API's own input types (coordinator/http_input.py): the CLI
+    """An argparse type from the API's own input types (coordinator/http/input.py): the CLI
     refuses what the API would refuse, before sending anything."""
 
     def parse(raw: str) -> Any:
-        from . import http_input
+        from ..http import input as http_input
 
         try:  # pydantic's lax mode reads "42" as an integer
             return http_input.parse_as(getattr(http_input, type_name), raw, "value")
@@ -88,13 +88,13 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .store.db import migrate
+    from ..store.db import migrate
 
     # uvicorn re-raises SIGTERM after its graceful shutdown. With the default action the process
     # would die without running atexit handlers, leaving the embedded Postgres running; exit
     # through SystemExit instead (status 143, as a shell reports for SIGTERM) so cleanup runs.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    from .settings import Settings
+    from ..settings import Settings
 
     settings = Settings()
     host = args.host or settings.host
@@ -102,7 +102,7 @@ def serve(args: argparse.Namespace) -> int:
     workers = args.workers or settings.workers
     url = settings.database_url
     if url is None:
-        from . import embedded_postgres
+        from ..store import embedded_postgres
 
         url = embedded_postgres.start(settings.data_dir)
         os.environ["COORDINATOR_DATABASE_URL"] = url
@@ -138,8 +138,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def migrate_cmd(args: argparse.Namespace) -> int:
-    from .settings import Settings
-    from .store.db import downgrade, migrate
+    from ..settings import Settings
+    from ..store.db import downgrade, migrate
 
     url = args.database_url or Settings().database_url
     if url is None:
@@ -159,13 +159,13 @@ def migrate_cmd(args: argparse.Namespace) -> int:
 
 def doctor_cmd(args: argparse.Namespace) -> int:
     from . import doctor
-    from .settings import Settings
+    from ..settings import Settings
 
     settings = Settings()
     url = args.database_url or settings.database_url
     if url is None and (settings.data_dir / "postgres" / "PG_VERSION").exists():
         # the embedded default's database (shared with a running `coordinator serve`, or started for the check)
-        from . import embedded_postgres
+        from ..store import embedded_postgres
 
         url = embedded_postgres.start(settings.data_dir)
         print(f"checking the embedded Postgres in {(settings.data_dir / 'postgres').resolve()}")
@@ -368,8 +368,8 @@ FORCE_COMMIT_WHY = (
 
 
 def kafka_cmd(args: argparse.Namespace) -> int:
-    from .kafka_control import ControlPlaneError, KafkaTarget, PreparedTransaction
-    from .kafka_wire import KafkaWireControlPlane
+    from ..kafka.control_plane import ControlPlaneError, KafkaTarget, PreparedTransaction
+    from ..kafka.wire.control_plane import KafkaWireControlPlane
 
     tid = args.transactional_id
     if args.kafka_command == "abort-transaction":
@@ -381,7 +381,7 @@ def kafka_cmd(args: argparse.Namespace) -> int:
             return 2
     if not _confirm(args, action):
         return 2
-    from .settings import Settings
+    from ..settings import Settings
 
     settings = Settings()
     plane = KafkaWireControlPlane(request_timeout_ms=args.timeout_ms, retry_budget_ms=args.timeout_ms * 3,
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.command in ("serve", "migrate"):
-        from .logs import limit_repeats
+        from ..logs import limit_repeats
 
         level = os.environ.get("COORDINATOR_LOG_LEVEL", "info")
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

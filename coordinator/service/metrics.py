@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine, text
 from starlette.routing import Mount
 
-from .protocol.states import UNRESOLVED_LEASE_STATES, LeaseState
+from ..protocol.states import UNRESOLVED_LEASE_STATES, LeaseState
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,13 @@ from fastapi import Depends, FastAPI, Query, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from . import __version__, metrics
+from .. import __version__
+from ..service import metrics
 from .api_docs import mount_docs
 from .auth import Principal, tokens_equal, writer_token
-from .broker import PartitionWatch, check_sink_broker, observe_partitions
+from ..kafka.broker import PartitionWatch, check_sink_broker, observe_partitions
 from .dashboard import create_dashboard
-from .http_input import (
+from .input import (
     AttemptNumber,
     BatchId,
     ErrorOut,
@@ -30,10 +31,10 @@ from .http_input import (
     error_responses,
     install_error_handlers,
 )
-from .protocol import errors as e
-from .protocol.model import Sink
-from .protocol.rules import PrecommitRequest
-from .protocol.states import CheckpointState
+from ..protocol import errors as e
+from ..protocol.model import Sink
+from ..protocol.rules import PrecommitRequest
+from ..protocol.states import CheckpointState
 from .schemas import (
     AbortOut,
     AbortRequest,
@@ -61,8 +62,8 @@ from .schemas import (
     SinkRegistration,
     SinkRetirement,
 )
-from .service import Coordinator, SinkSpec
-from .store.db import schema_is_current
+from ..service import Coordinator, SinkSpec
+from ..store.db import schema_is_current
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ def create_app(
 
     @app.get("/metrics", tags=["health"], response_class=Response)
     def prometheus_metrics() -> Response:
-        """Prometheus metrics of this process and of the database's state (coordinator/metrics.py)."""
+        """Prometheus metrics of this process and of the database's state (coordinator/service/metrics.py)."""
         body, content_type = metrics.render(database_metrics)
         return Response(content=body, media_type=content_type)
 
@@ -341,7 +342,7 @@ def create_app(
         """The audit trail, oldest first; page with after_id."""
         return [EventOut(**ev) for ev in coordinator.list_events(name, after_id=after_id, batch_id=batch_id, limit=limit)]
 
-    # --- broker observations (coordinator/broker.py) ------------------------------------------
+    # --- broker observations (coordinator/kafka/broker.py) ------------------------------------------
 
     partition_watch = PartitionWatch()
 
@@ -361,7 +362,7 @@ def create_app(
         earlier call (to this process), with the transaction holding it."""
         return PartitionsOut.of(observe_partitions(coordinator, name, partition_watch, min_stall_s=min_stall_s))
 
-    # --- operator dashboard (coordinator/dashboard/) ---------------------------------------------
+    # --- operator dashboard (coordinator/http/dashboard/) ---------------------------------------------
 
     dashboard = create_dashboard(
         coordinator, admin_token=admin_token, token_secret=token_secret, viewer_token=dashboard_viewer_token,

@@ -125,7 +125,7 @@ from kafka.protocol.producer import (
     InitProducerIdRequest,
 )
 
-from .kafka_control import (
+from ..control_plane import (
     BrokerCheck,
     ControlPlaneError,
     FirstOffset,
@@ -747,7 +747,7 @@ class KafkaWireControlPlane:
     def transaction_outcome(
         self, target: KafkaTarget, txn: PreparedTransaction, first_offsets: Sequence[FirstOffset]
     ) -> TransactionOutcome:
-        from .kafka_outcome import read_committed_outcome
+        from ..outcome import read_committed_outcome
 
         return read_committed_outcome(target.bootstrap_servers, first_offsets, self._config, self.request_timeout_ms)
 

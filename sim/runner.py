@@ -27,6 +27,7 @@ from coordinator.protocol.invariants import (
     Snapshot,
     check_committed_unchanged,
     check_invariants,
+    check_no_quick_reuse,
     check_unchanged,
 )
 from coordinator.protocol.model import Alert
@@ -518,6 +519,7 @@ class Sim:
     def check_db(self, *, settled: bool, when: str) -> None:
         snap = self.snapshot()
         found = check_invariants(snap, settled=settled)
+        found += check_no_quick_reuse(snap, timedelta(milliseconds=self.executor_init_reach_ms(self.limits)))
         if self._last_snapshot is not None:
             found += check_committed_unchanged(self._last_snapshot, snap)
         self._last_snapshot = snap

@@ -4,7 +4,8 @@
 lost data is never silent -- every LOST checkpoint has a `data_lost` alert, and its sink stayed
 halted until an operator acknowledged it);
 `check_committed_unchanged(before, after)` checks the history half of I1; `check_unchanged`
-is I5 (a refused call changed nothing). Each returns a list of violations, empty when all hold.
+is I5 (a refused call changed nothing); `check_no_quick_reuse(snapshot, reach)` is the design's
+"no quick reuse" rule (R1). Each returns a list of violations, empty when all hold.
 """
 
 from __future__ import annotations
@@ -186,6 +187,38 @@ def _l1(s: Snapshot) -> list[Violation]:
         if mine and mine[-1].kind == "data_lost" and sink.halted_at is None:
             out.append(Violation("L1", f"sink {sink.name} lost data (alert {mine[-1].id}) and is not halted, "
                                        "yet nobody acknowledged it"))
+    return out
+
+
+def check_no_quick_reuse(s: Snapshot, reach: timedelta) -> list[Violation]:
+    """R1: an id is leased again only after every earlier try on it that may still act on Kafka
+    is past `reach` (lease age bound at init + init timeout + request timeout: how late a stalled
+    try's InitProducerId or request can land). Exempt: a committed winner (its try reported and its
+    transaction ended) and an unused pre-lease (a first try whose partition the decision accepted
+    as empty: it never made a producer)."""
+    attempt_by_id = {a.id: a for a in s.attempts}
+    winners = {(x.attempt_id, x.partition) for x in s.leases
+               if x.state in (LeaseState.COMMITTING, LeaseState.COMMITTED, *LOST_LEASE_STATES)}
+
+    def may_act_late(x: Lease) -> bool:
+        if x.state is LeaseState.COMMITTED:
+            return False
+        decided = attempt_by_id[x.attempt_id].state not in (AttemptState.OPEN, AttemptState.ABORTED)
+        unused = x.first_try and x.producer_id is None and decided and (x.attempt_id, x.partition) not in winners
+        return not unused
+
+    out = []
+    by_id: dict[str, list[Lease]] = defaultdict(list)
+    for x in s.leases:
+        by_id[x.transactional_id].append(x)
+    for tid, history in by_id.items():
+        history.sort(key=lambda x: (x.leased_at, x.id))
+        for earlier, later in zip(history, history[1:]):
+            if may_act_late(earlier) and later.leased_at < earlier.leased_at + reach:
+                out.append(Violation("R1", f"{tid} leased again (lease {later.id}) "
+                                           f"{(later.leased_at - earlier.leased_at).total_seconds():.3f} s after "
+                                           f"lease {earlier.id} ({earlier.state}), whose try may act for "
+                                           f"{reach.total_seconds():.3f} s"))
     return out
 
 

@@ -20,7 +20,7 @@ from kafka_producers import run_transactional_producer
 from real_kafka import RealKafka
 from servers import REPO_ROOT, clean_env
 
-from coordinator import cli
+from coordinator.cli import main as cli
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.store.db import downgrade
 from localkafka import free_port

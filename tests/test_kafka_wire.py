@@ -33,7 +33,8 @@ from real_kafka import RealKafka
 from sqlalchemy import Engine
 
 from coordinator.service.clock import ManualClock
-from coordinator.kafka.control_plane import ControlPlaneError, KafkaTarget, PreparedTransaction, build_control_plane
+from coordinator.kafka import build_control_plane
+from coordinator.kafka.control_plane import ControlPlaneError, KafkaTarget, PreparedTransaction
 from coordinator.kafka.wire.control_plane import KafkaWireControlPlane
 from coordinator.protocol.invariants import check_invariants
 from coordinator.protocol.model import PartitionResult

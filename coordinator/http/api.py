@@ -17,7 +17,7 @@ from .. import __version__
 from ..service import metrics
 from .api_docs import mount_docs
 from .auth import Principal, tokens_equal, writer_token
-from ..kafka.broker import PartitionWatch, check_sink_broker, observe_partitions
+from ..kafka.broker import PartitionWatch
 from .dashboard import create_dashboard
 from .input import (
     AttemptNumber,
@@ -63,6 +63,7 @@ from .schemas import (
     SinkRetirement,
 )
 from ..service import Coordinator, SinkSpec
+from ..service.broker_checks import check_sink_broker, observe_partitions
 from ..store.db import schema_is_current
 
 log = logging.getLogger(__name__)

@@ -424,7 +424,7 @@ def test_more_parallel_calls_than_requests_in_flight_wait_for_a_slot_instead_of_
     p = KafkaWireControlPlane(request_timeout_ms=REQUEST_TIMEOUT_MS, retry_budget_ms=BUDGET_MS,
                               client_config={"max_in_flight_requests_per_connection": 2})
     try:
-        with caplog.at_level("WARNING", logger="coordinator.kafka.wire.control_plane"), ThreadPoolExecutor(max_workers=12) as pool:
+        with caplog.at_level("WARNING", logger="coordinator.kafka.wire"), ThreadPoolExecutor(max_workers=12) as pool:
             list(pool.map(lambda st: p.commit(target(real_kafka.bootstrap), prepared(st)), stats))
     finally:
         p.close()

@@ -16,7 +16,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_config import (
+from fixtures.deploy_config import (
     OPTIONAL_SECRET_SETTINGS,
     REPO_ROOT,
     SECRET_NAME,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from servers import REPO_ROOT
+from fixtures.servers import REPO_ROOT
 
 from coordinator.http.api import create_app
 from coordinator.service import Coordinator

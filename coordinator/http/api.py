@@ -31,6 +31,7 @@ from .input import (
     error_responses,
     install_error_handlers,
 )
+from .metrics import HttpMetricsMiddleware
 from ..protocol import errors as e
 from ..protocol.model import Sink
 from ..protocol.rules import PrecommitRequest
@@ -119,7 +120,7 @@ def create_app(
     app.router.route_class = InputRoute
     mount_docs(app)  # /docs and /redoc from the package's assets, not a CDN
     app.state.coordinator = coordinator
-    app.add_middleware(metrics.HttpMetricsMiddleware)
+    app.add_middleware(HttpMetricsMiddleware)
     database_metrics = metrics.database_registry(coordinator.engine)
     cache = _SinkTokenCache()
 

@@ -20,7 +20,7 @@ from fixtures.kafka_producers import run_transactional_producer
 from fixtures.real_kafka import RealKafka
 from fixtures.servers import REPO_ROOT, clean_env
 
-from coordinator.cli import main as cli
+from coordinator import cli
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.store.db import downgrade
 from localkafka import free_port

@@ -87,7 +87,7 @@ def commit_all(bootstrap: str, txns: list[PreparedTransaction], in_flight: int, 
 
 def visible(bootstrap: str, topic: str) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from real_kafka import read_committed
+    from fixtures.real_kafka import read_committed
 
     return len(read_committed(bootstrap, topic, 120))
 

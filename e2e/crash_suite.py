@@ -185,7 +185,7 @@ class Suite:
         return self.kafka.node(leader)
 
     def sink_transactional_ids(self) -> list[str]:
-        from coordinator.cli.main import AdminApi
+        from coordinator.cli.operator_commands import AdminApi
 
         api = AdminApi(self.balancer.url, self.token, timeout_s=10)
         try:

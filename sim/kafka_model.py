@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from coordinator.service.clock import ManualClock
 from coordinator.kafka.control_plane import (
     BrokerCheck,
     ControlPlaneError,
@@ -44,6 +43,7 @@ from coordinator.kafka.control_plane import (
     TransactionOutcome,
     combine_outcomes,
 )
+from coordinator.service.clock import ManualClock
 
 EMPTY = "Empty"
 ONGOING = "Ongoing"

@@ -5,6 +5,11 @@ and the checker (I1-I7).
 Everything runs on one thread and draws from one random.Random(seed): the same seed gives the
 same faults at the same steps and the same trace. Nothing sleeps; time is a ManualClock shared by
 the coordinator and the model (the model aborts transactions past their timeout as it moves).
+
+Long because `Sim` is one schedule's world (its replicas, client, clocks, zombies, quiescence and
+check), read top to bottom in the order a schedule runs; the parts that stand alone are apart:
+the fault dice (faults.py), the Kafka model (kafka_model.py), simulated Spark (spark.py, which
+sees the Sim only through its `SimWorld` protocol).
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine, delete, event, select, text
 
-from coordinator.service.clock import Clock, ManualClock
 from coordinator.protocol import errors as e
 from coordinator.protocol import recovery_rules
 from coordinator.protocol.invariants import (
@@ -32,8 +36,9 @@ from coordinator.protocol.invariants import (
 )
 from coordinator.protocol.model import Alert
 from coordinator.protocol.states import CheckpointState
-from coordinator.service.recovery import RecoveryLoop
 from coordinator.service import Coordinator, Limits, SinkSpec
+from coordinator.service.clock import Clock, ManualClock
+from coordinator.service.recovery import RecoveryLoop
 from coordinator.store import repo
 from coordinator.store.tables import (
     attempts,

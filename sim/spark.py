@@ -24,17 +24,20 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from coordinator.protocol import errors as e
 from coordinator.protocol.model import Lease, PartitionResult, PrecommitRecord
 from coordinator.protocol.rules import PrecommitRequest, is_first_try
 
-from .faults import ClientGaveUp, DriverCrash, TaskFailure
-from .kafka_model import KafkaError
+from coordinator.service import Coordinator, Limits
+from coordinator.service.clock import ManualClock
 
-if TYPE_CHECKING:
-    from .runner import Sim
+from .faults import ClientGaveUp, DriverCrash, Faults, TaskFailure
+from .kafka_model import KafkaError, KafkaModel
+
+T = TypeVar("T")
 
 MAX_TASK_FAILURES = 4  # spark.task.maxFailures
 KAFKA_PARTITIONS = 3
@@ -75,8 +78,42 @@ class ZombieState:
     lease_ids: list[int] = field(default_factory=list)
 
 
+class CoordinatorCalls(Protocol):
+    def call(self, name: str, fn: Callable[[Coordinator], T], *, retries: int = 12) -> T: ...
+
+
+class SimWorld(Protocol):
+    """What simulated Spark sees of the schedule it runs in (runner.Sim is one): the coordinator
+    through its client, the Kafka model, the shared clock, the fault dice and the trace. Declared
+    here, where it is used, so that spark.py does not import the runner that drives it."""
+
+    sink: str
+    topic: str
+    timeout_ms: int
+    margin_ms: int
+    n_batches: int
+    limits: Limits
+    rng: random.Random
+    faults: Faults
+    clock: ManualClock
+    model: KafkaModel
+    client: CoordinatorCalls
+    ckpt: CheckpointLocation
+
+    def trace(self, line: str) -> None: ...
+    def local(self, key: str) -> str: ...
+    def locals(self, keys: list[str]) -> list[str]: ...
+    def local_lease(self, lease_id: int | None) -> str | None: ...
+    def advance(self, ms: int) -> None: ...
+    def plan_input(self, batch: int) -> list[str]: ...
+    def recovery_tick(self, why: str, *, inject: bool = True) -> None: ...
+    def maybe_near_timeout(self, where: str, *, task: bool = False) -> None: ...
+    def on_generation_started(self, driver: Driver) -> None: ...
+    def executor_zombie(self, transactional_id: str, rows: list[str]) -> None: ...
+
+
 class Driver:
-    def __init__(self, sim: Sim, run_number: int) -> None:
+    def __init__(self, sim: SimWorld, run_number: int) -> None:
         self.sim = sim
         self.run_id = f"run-{run_number}"
         self.generation: int | None = None
@@ -233,7 +270,7 @@ def kafka_partition(record: str) -> int:
     return sum(record.encode()) % KAFKA_PARTITIONS
 
 
-def zombie_call(sim: Sim, z: ZombieState) -> tuple[str, Any]:
+def zombie_call(sim: SimWorld, z: ZombieState) -> tuple[str, Any]:
     """One call of a fenced driver (or its executors), chosen by the seed: (what, thunk)."""
     options: list[tuple[str, Any]] = []
     if z.batch_id is not None:

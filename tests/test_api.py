@@ -18,7 +18,7 @@ from coordinator.kafka.control_plane import PreparedTransaction, RecordingContro
 from coordinator.protocol.invariants import check_invariants, check_unchanged
 from coordinator.service import Coordinator
 from coordinator.store.db import make_engine
-from servers import ProtocolClient
+from fixtures.servers import ProtocolClient
 
 ADMIN = "test-admin-token-7f3a"
 SECRET = b"test-writer-token-secret"

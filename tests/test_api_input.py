@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import migrated_database
-from servers import ServiceProcess
+from fixtures.postgres import migrated_database
+from fixtures.servers import ServiceProcess
 
 ADMIN = "input-admin-token-93c1"
 SINK, OTHER = "orders", "payments"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from servers import REPO_ROOT, clean_env
+from fixtures.servers import REPO_ROOT, clean_env
 
 BENCH = REPO_ROOT / "bench"
 sys.path.insert(0, str(BENCH))

@@ -42,7 +42,7 @@ from coordinator.kafka.control_plane import (
     PartitionStability,
     RecordingControlPlane,
 )
-from coordinator.kafka.wire.control_plane import (
+from coordinator.kafka.wire.requests import (
     OPEN_STATES,
     UnsupportedByBroker,
     authorization_message,
@@ -53,6 +53,8 @@ from coordinator.kafka.wire.control_plane import (
     parse_list_transactions,
     parse_metadata,
     parse_transaction_max_timeout,
+)
+from coordinator.kafka.wire.verdicts import (
     verdict_prefix,
     verdict_transaction_timeout,
     verdict_transactions_supported,

@@ -1,6 +1,6 @@
 """Broker observations of the wire control plane (`KafkaWireControlPlane.check_broker`,
 `list_open_transactions`, `partition_stability`) and the coordinator's lingering-transaction
-sweep, on the real Kafka broker (tests/real_kafka.py): KIP-664 ListTransactions /
+sweep, on the real Kafka broker (tests/fixtures/real_kafka.py): KIP-664 ListTransactions /
 DescribeTransactions / DescribeProducers answered by Kafka's own transaction coordinator and
 partition leader, DescribeConfigs reporting `transaction.max.timeout.ms`, ListOffsets at
 READ_COMMITTED stopping at an open transaction's first offset, and authorization refusals from
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from kafka_producers import partition_log, run_transactional_producer, run_transactional_producers
-from real_kafka import SCRAM_PASSWORD, SCRAM_USER, RealKafka
+from fixtures.kafka_producers import partition_log, run_transactional_producer, run_transactional_producers
+from fixtures.real_kafka import SCRAM_PASSWORD, SCRAM_USER, RealKafka
 from sqlalchemy import Engine
 
 from coordinator.http.api import create_app

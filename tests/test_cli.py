@@ -1,7 +1,7 @@
 """The operator commands (`coordinator sinks|checkpoints|transactions|commit|abort|acknowledge`)
 end to end: the command in a subprocess (`python -m coordinator.cli`) against a real uvicorn
 service process. And `coordinator kafka commit-transaction|abort-transaction` against the real
-Kafka broker (tests/real_kafka.py): what a read_committed consumer sees afterwards."""
+Kafka broker (tests/fixtures/real_kafka.py): what a read_committed consumer sees afterwards."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kafka_producers import partition_log, run_transactional_producer
-from real_kafka import RealKafka
-from servers import REPO_ROOT, ServiceProcess, clean_env, scripted_http
+from fixtures.kafka_producers import partition_log, run_transactional_producer
+from fixtures.real_kafka import RealKafka
+from fixtures.servers import REPO_ROOT, ServiceProcess, clean_env, scripted_http
 
 ADMIN = "cli-admin-token-51be"
 
@@ -153,7 +153,7 @@ def test_serve_with_the_embedded_default_is_quiet_and_the_cli_finds_its_token_an
     """`coordinator serve` with no database URL: initdb's output goes to data_dir/postgres.log, the
     token line says 'generated' only the first time, and `coordinator sinks` / `coordinator doctor`
     find the token and the database without being told."""
-    from servers import free_port, stop_process
+    from fixtures.servers import free_port, stop_process
 
     data_dir = tmp_path / "data"
     port = free_port()
@@ -166,7 +166,7 @@ def test_serve_with_the_embedded_default_is_quiet_and_the_cli_finds_its_token_an
             proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve"], cwd=tmp_path, env=env,
                                     stdout=log, stderr=subprocess.STDOUT)
         try:
-            from servers import wait_for_http
+            from fixtures.servers import wait_for_http
 
             wait_for_http(url + "/healthz", proc, log_path)
             if start == 0:

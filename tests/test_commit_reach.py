@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
-from servers import ProtocolClient
+from fixtures.servers import ProtocolClient
 from sqlalchemy import Engine
 
 from coordinator.http.api import create_app

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers import REPO_ROOT, clean_env
+from fixtures.servers import REPO_ROOT, clean_env
 
 from e2e.checker import Record, check, expected_range
 from e2e.crash_suite import verdict_line

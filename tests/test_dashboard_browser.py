@@ -6,7 +6,7 @@ with real protocol traffic:
   open attempt (for the abort action);
 - `inventory`: a 10 s transaction timeout and a pre-committed transaction left open past 80 % of it;
 - `payments`: a batch whose decided commit Kafka refused for good, so it is LOST and the sink is
-  halted. That refusal is the real broker's (tests/real_kafka.py): a second coordinator process
+  halted. That refusal is the real broker's (tests/fixtures/real_kafka.py): a second coordinator process
   with the Kafka control plane sends EndTxn for a producer the transactional id never had, and
   Kafka answers INVALID_PRODUCER_ID_MAPPING.
 
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from real_kafka import RealKafka
-from servers import REPO_ROOT, ProtocolClient, ServiceProcess
+from fixtures.real_kafka import RealKafka
+from fixtures.servers import REPO_ROOT, ProtocolClient, ServiceProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from servers import ProtocolClient
+from fixtures.servers import ProtocolClient
 
 from coordinator.http.api import create_app
 from coordinator.kafka.broker import PartitionWatch

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_config import (
+from fixtures.deploy_config import (
     REPO_ROOT,
     compose_env,
     get_routes,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_config import REPO_ROOT, compose_env, kustomize, load_compose, one, settings_env_names
+from fixtures.deploy_config import REPO_ROOT, compose_env, kustomize, load_compose, one, settings_env_names
 
 from e2e.checker import Record, check, expected_range
 from e2e.verify_output import build_parser

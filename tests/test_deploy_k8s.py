@@ -16,7 +16,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_config import (
+from fixtures.deploy_config import (
     OPTIONAL_SECRET_SETTINGS,
     REPO_ROOT,
     SECRET_NAME,
@@ -253,7 +253,7 @@ def test_the_migration_job_runs_the_same_image_with_migrate(overlay: list[dict[s
     serve = one(overlay, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert job["image"] == serve["image"] == "registry.example.com/spark-eos/coordinator:0.1.0"
     assert job["args"] == ["migrate"] and serve["args"] == ["serve"]
-    from coordinator.cli.main import main
+    from coordinator.cli import main
 
     with pytest.raises(SystemExit) as exc:  # both are real subcommands of the image's entrypoint
         main(["migrate", "--help"])

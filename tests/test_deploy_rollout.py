@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
-from deploy_config import REPO_ROOT, load_compose
+from fixtures.deploy_config import REPO_ROOT, load_compose
 from dockerfile_parse import DockerfileParser
-from servers import clean_env, free_port, stop_process, wait_for_http
+from fixtures.servers import clean_env, free_port, stop_process, wait_for_http
 
 from coordinator.store.db import sqlalchemy_url
 

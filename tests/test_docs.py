@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from servers import REPO_ROOT
+from fixtures.servers import REPO_ROOT
 
 from coordinator.http.api import create_app
 from coordinator.service import Coordinator
@@ -67,7 +67,7 @@ def test_every_command_of_the_readmes_first_blocks_exists() -> None:
     assert ["coordinator", "serve"] in commands and ["coordinator", "quickstart"] in commands
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     extras = set(project["optional-dependencies"])
-    assert project["scripts"]["coordinator"] == "coordinator.cli.main:main"
+    assert project["scripts"]["coordinator"] == "coordinator.cli:main"
     for cmd in commands:
         if cmd[:2] == ["pip", "install"]:
             spec = cmd[-1]

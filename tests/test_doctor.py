@@ -1,7 +1,7 @@
 """`coordinator doctor` against a reachable broker, an unreachable one, a timeout misconfiguration,
 a database behind its migrations and an unreachable database -- each with its verdict and exit code.
 
-The broker is a real Apache Kafka (tests/real_kafka.py): the doctor reads its
+The broker is a real Apache Kafka (tests/fixtures/real_kafka.py): the doctor reads its
 transaction.max.timeout.ms through DescribeConfigs and lists transactional ids with KIP-664
 ListTransactions.
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from kafka_producers import run_transactional_producer
-from real_kafka import RealKafka
-from servers import REPO_ROOT, clean_env
+from fixtures.kafka_producers import run_transactional_producer
+from fixtures.real_kafka import RealKafka
+from fixtures.servers import REPO_ROOT, clean_env
 
 from coordinator import cli
 from coordinator.service import Coordinator, SinkSpec

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kafka_producers import run_transactional_producer
-from real_kafka import RealKafka
+from fixtures.kafka_producers import run_transactional_producer
+from fixtures.real_kafka import RealKafka
 from sqlalchemy import Engine
 
 from coordinator.kafka.control_plane import OpenTransaction

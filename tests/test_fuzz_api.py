@@ -43,7 +43,7 @@ from schemathesis.specs.openapi.checks import (
 )
 from sqlalchemy import create_engine, text
 
-from servers import ServiceProcess, free_port
+from fixtures.servers import ServiceProcess, free_port
 
 ADMIN = "fuzz-admin-token-5be1"
 SINK = "orders"

@@ -25,7 +25,7 @@ from coordinator.protocol.invariants import Snapshot, check_invariants, check_un
 from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.store import repo
 from coordinator.store.db import make_engine
-from servers import ProtocolClient, ServiceProcess, clean_env, free_port, start_services, stop_process, tail, wait_for_http
+from fixtures.servers import ProtocolClient, ServiceProcess, clean_env, free_port, start_services, stop_process, tail, wait_for_http
 
 ADMIN = "process-test-admin-token"
 SINK = "events"

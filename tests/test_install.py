@@ -11,7 +11,7 @@ import venv
 from pathlib import Path
 
 import pytest
-from servers import REPO_ROOT
+from fixtures.servers import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 

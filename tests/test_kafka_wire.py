@@ -1,5 +1,5 @@
 """The Kafka control plane (`KafkaWireControlPlane`) on a real Apache Kafka broker (localkafka/,
-tests/real_kafka.py), formatted with `transaction.version=1` and with `=2` wherever the resume path
+tests/fixtures/real_kafka.py), formatted with `transaction.version=1` and with `=2` wherever the resume path
 is involved: the coordinator sends EndTxn v<=4 and librdkafka's producers are TV1 clients on both.
 
 What the real broker answers (Kafka 4.x, both transaction versions), and these tests pin:
@@ -13,7 +13,7 @@ What the real broker answers (Kafka 4.x, both transaction versions), and these t
   does not hold, or an id the broker never saw -> INVALID_PRODUCER_ID_MAPPING (49); a transaction
   the broker aborted at its own timeout -> PRODUCER_FENCED at the late resume (the server bumped
   the epoch), so a late commit fails loudly, never silently.
-The fault proxy in front of the broker (tests/kafka_proxy.py) loses answers and injects the
+The fault proxy in front of the broker (tests/fixtures/kafka_proxy.py) loses answers and injects the
 transient answers a healthy single broker does not give on cue (NOT_COORDINATOR,
 COORDINATOR_LOAD_IN_PROGRESS, ...); it never stands in for a refusal.
 """
@@ -27,13 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from kafka_producers import ProducerProcess, partition_log, run_transactional_producer, run_transactional_producers
-from kafka_proxy import API_END_TXN, API_FIND_COORDINATOR, API_INIT_PRODUCER_ID
-from real_kafka import RealKafka
+from fixtures.kafka_producers import ProducerProcess, partition_log, run_transactional_producer, run_transactional_producers
+from fixtures.kafka_proxy import API_END_TXN, API_FIND_COORDINATOR, API_INIT_PRODUCER_ID
+from fixtures.real_kafka import RealKafka
 from sqlalchemy import Engine
 
 from coordinator.service.clock import ManualClock
-from coordinator.kafka.control_plane import ControlPlaneError, KafkaTarget, PreparedTransaction, build_control_plane
+from coordinator.kafka import build_control_plane
+from coordinator.kafka.control_plane import ControlPlaneError, KafkaTarget, PreparedTransaction
 from coordinator.kafka.wire.control_plane import KafkaWireControlPlane
 from coordinator.protocol.invariants import check_invariants
 from coordinator.protocol.model import PartitionResult
@@ -423,7 +424,7 @@ def test_more_parallel_calls_than_requests_in_flight_wait_for_a_slot_instead_of_
     p = KafkaWireControlPlane(request_timeout_ms=REQUEST_TIMEOUT_MS, retry_budget_ms=BUDGET_MS,
                               client_config={"max_in_flight_requests_per_connection": 2})
     try:
-        with caplog.at_level("WARNING", logger="coordinator.kafka.wire.control_plane"), ThreadPoolExecutor(max_workers=12) as pool:
+        with caplog.at_level("WARNING", logger="coordinator.kafka.wire"), ThreadPoolExecutor(max_workers=12) as pool:
             list(pool.map(lambda st: p.commit(target(real_kafka.bootstrap), prepared(st)), stats))
     finally:
         p.close()

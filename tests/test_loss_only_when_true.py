@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 import pytest
 from kafka.protocol.producer import EndTxnRequest
-from kafka_producers import ProducerProcess, run_transactional_producer
-from real_kafka import RealKafka
+from fixtures.kafka_producers import ProducerProcess, run_transactional_producer
+from fixtures.real_kafka import RealKafka
 
 from coordinator.kafka.control_plane import (
     ControlPlaneError,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
-from servers import ProtocolClient
+from fixtures.servers import ProtocolClient
 
 from coordinator.http.api import create_app
 from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane, TransactionOutcome

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from servers import REPO_ROOT, ProtocolClient, ServiceProcess
+from fixtures.servers import REPO_ROOT, ProtocolClient, ServiceProcess
 
 from coordinator.http.api import create_app
 from coordinator.service.clock import ManualClock

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers import REPO_ROOT, clean_env, free_port
+from fixtures.servers import REPO_ROOT, clean_env, free_port
 
 pytestmark = [pytest.mark.real_kafka, pytest.mark.slow]
 

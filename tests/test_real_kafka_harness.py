@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kafka_producers import ProducerProcess, partition_log
+from fixtures.kafka_producers import ProducerProcess, partition_log
 from localkafka import LocalKafka
-from real_kafka import RealKafka
+from fixtures.real_kafka import RealKafka
 
 ROOT = Path(__file__).resolve().parent.parent
 

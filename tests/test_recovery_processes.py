@@ -33,10 +33,10 @@ from coordinator.protocol.states import CheckpointState
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.store import repo
 from coordinator.store.tables import checkpoints
-from kafka_producers import partition_log, run_transactional_producers
-from kafka_proxy import API_END_TXN
-from real_kafka import RealKafka
-from servers import ServiceProcess, start_services
+from fixtures.kafka_producers import partition_log, run_transactional_producers
+from fixtures.kafka_proxy import API_END_TXN
+from fixtures.real_kafka import RealKafka
+from fixtures.servers import ServiceProcess, start_services
 
 pytestmark = pytest.mark.slow
 

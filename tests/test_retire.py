@@ -14,7 +14,7 @@ from coordinator.http.api import create_app
 from coordinator.protocol import rules
 from coordinator.service import Coordinator
 from coordinator.store.tables import events
-from servers import ProtocolClient
+from fixtures.servers import ProtocolClient
 
 ADMIN = "retire-admin"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from servers import REPO_ROOT, clean_env, free_port, stop_process, wait_for_http
+from fixtures.servers import REPO_ROOT, clean_env, free_port, stop_process, wait_for_http
 
 ADMIN = "keepalive-test-admin-token"
 REQUESTS = 20

@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from kafka_producers import ProducerProcess, partition_log, run_transactional_producer
-from real_kafka import RealKafka
+from fixtures.kafka_producers import ProducerProcess, partition_log, run_transactional_producer
+from fixtures.real_kafka import RealKafka
 from sqlalchemy import Engine, select
 
 from coordinator.service.clock import ManualClock

@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from real_kafka import RealKafka, read_committed
-from servers import ServiceProcess
-from spark_support import ADMIN, kafka_service, module_database_url  # noqa: F401 - fixture
+from fixtures.real_kafka import RealKafka, read_committed
+from fixtures.servers import ServiceProcess
+from fixtures.spark_support import ADMIN, kafka_service, module_database_url  # noqa: F401 - fixture
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow]

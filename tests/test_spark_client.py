@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from servers import Script, scripted_http
+from fixtures.servers import Script, scripted_http
 from sparkclient import CoordinatorClient, CoordinatorError, WriterOptionError
 from sparkclient.options import WriterOptions
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from real_kafka import RealKafka, read_committed
-from servers import ServiceProcess
-from spark_support import (
+from fixtures.real_kafka import RealKafka, read_committed
+from fixtures.servers import ServiceProcess
+from fixtures.spark_support import (
     ADMIN,
     FailTask,
     kafka_service,

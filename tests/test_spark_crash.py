@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
-from kafka_proxy import API_END_TXN
-from real_kafka import RealKafka
-from servers import REPO_ROOT, ServiceProcess
-from spark_support import (
+from fixtures.kafka_proxy import API_END_TXN
+from fixtures.real_kafka import RealKafka
+from fixtures.servers import REPO_ROOT, ServiceProcess
+from fixtures.spark_support import (
     ADMIN,
     assert_exactly_once,
     kafka_service,
@@ -41,7 +41,7 @@ from sparkclient import CoordinatorClient
 
 pytestmark = pytest.mark.slow
 
-DRIVER = REPO_ROOT / "tests" / "spark_crash_driver.py"
+DRIVER = "fixtures.spark_crash_driver"  # run with -m from tests/
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def service(module_database_url: str, tmp_path_factory: pytest.TempPathFactory) 
 def run_driver(args: dict[str, Any], log: Path, timeout_s: float = 240) -> tuple[int, str]:
     """Run the driver in its own session (so its kill takes its JVM and workers with it)."""
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(DRIVER), json.dumps(args)], cwd=REPO_ROOT / "tests",
+        proc = subprocess.Popen([sys.executable, "-m", DRIVER, json.dumps(args)], cwd=REPO_ROOT / "tests",
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout_s)

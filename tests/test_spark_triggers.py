@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from real_kafka import RealKafka, read_committed
-from servers import ServiceProcess
-from spark_support import kafka_service, module_database_url, register, spark_session  # noqa: F401 - fixture
+from fixtures.real_kafka import RealKafka, read_committed
+from fixtures.servers import ServiceProcess
+from fixtures.spark_support import kafka_service, module_database_url, register, spark_session  # noqa: F401 - fixture
 from sparkclient import BatchReport, CoordinatorClient, ExactlyOnceKafkaWriter
 
 pytestmark = pytest.mark.slow

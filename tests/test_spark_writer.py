@@ -1,6 +1,6 @@
 """The exactly-once writer in real PySpark streaming queries (local mode) against the real
 coordinator (uvicorn on Postgres, committing by EndTxn over the wire) and a real Kafka broker
-(tests/real_kafka.py). Exactly-once is what a read_committed consumer sees (tests/spark_support.py),
+(tests/fixtures/real_kafka.py). Exactly-once is what a read_committed consumer sees (tests/fixtures/spark_support.py),
 cross-checked with the coordinator's records, the provenance headers and the broker's COMMIT markers.
 
 Speculation: the session runs with spark.speculation=true, but Spark never launches a speculative
@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from real_kafka import RealKafka
-from servers import ServiceProcess
-from spark_support import (
+from fixtures.real_kafka import RealKafka
+from fixtures.servers import ServiceProcess
+from fixtures.spark_support import (
     ADMIN,
     FailTask,
     assert_exactly_once,
@@ -292,7 +292,7 @@ def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for
     import gc
     import os
 
-    from kafka_producers import partition_log
+    from fixtures.kafka_producers import partition_log
     from sparkclient.executor import TaskSpec, write_partition
 
     topic = real_kafka.create_topic(1)
@@ -368,7 +368,7 @@ def test_the_driver_refuses_coordinator_answers_it_does_not_expect(spark: Any, t
     not let the batch pass as committed. A scripted HTTP server stands in for the coordinator."""
     import json
 
-    from servers import scripted_http
+    from fixtures.servers import scripted_http
 
     (tmp_path / "metadata").write_text('{"id":"query-odd"}\n')
     sink = (200, json.dumps({"name": "odd", "transaction_timeout_ms": 60000}), {})

@@ -28,7 +28,7 @@ from coordinator.protocol.states import CheckpointState, LeaseState, Transaction
 from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.store import repo
 from coordinator.store.tables import leases, transactional_ids
-from servers import ServiceProcess
+from fixtures.servers import ServiceProcess
 from sim.kafka_model import KafkaModel, ModelControlPlane
 from sparkclient.client import CoordinatorClient
 

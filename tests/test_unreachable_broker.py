@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import ServiceProcess, free_port
+from fixtures.servers import ServiceProcess, free_port
 
 from coordinator.logs import RepeatLimit, subject
 

@@ -244,7 +244,7 @@ def _run(args: argparse.Namespace, directory: Path) -> int:
     from localkafka.cluster import LocalKafka, LocalKafkaError
     from localkafka.maven import MavenError
 
-    from .main import AdminApi
+    from .operator_commands import AdminApi
 
     for stale in ("kafka", "coordinator", "checkpoint"):
         shutil.rmtree(directory / stale, ignore_errors=True)

@@ -17,7 +17,7 @@ from .. import __version__
 from ..service import metrics
 from .api_docs import mount_docs
 from .auth import Principal, tokens_equal, writer_token
-from ..kafka.broker import PartitionWatch, check_sink_broker, observe_partitions
+from ..kafka.broker import PartitionWatch
 from .dashboard import create_dashboard
 from .input import (
     AttemptNumber,
@@ -31,6 +31,7 @@ from .input import (
     error_responses,
     install_error_handlers,
 )
+from .metrics import HttpMetricsMiddleware
 from ..protocol import errors as e
 from ..protocol.model import Sink
 from ..protocol.rules import PrecommitRequest
@@ -63,6 +64,7 @@ from .schemas import (
     SinkRetirement,
 )
 from ..service import Coordinator, SinkSpec
+from ..service.broker_checks import check_sink_broker, observe_partitions
 from ..store.db import schema_is_current
 
 log = logging.getLogger(__name__)
@@ -118,7 +120,7 @@ def create_app(
     app.router.route_class = InputRoute
     mount_docs(app)  # /docs and /redoc from the package's assets, not a CDN
     app.state.coordinator = coordinator
-    app.add_middleware(metrics.HttpMetricsMiddleware)
+    app.add_middleware(HttpMetricsMiddleware)
     database_metrics = metrics.database_registry(coordinator.engine)
     cache = _SinkTokenCache()
 

@@ -1,7 +1,7 @@
 """What the coordinator makes of its observations of the broker (DESIGN.md §3 step 6, issue 3:
 stuck-consumer detection, the lingering-transaction sweep, broker checks).
 
-The first half is I/O free and unit tested (tests/test_broker.py):
+All of it is I/O free and unit tested (tests/test_broker.py):
 
 `stuck_partitions(previous, current, elapsed_s)`
     A partition is stuck when its last stable offset (LSO) stays below its high watermark (HW)
@@ -13,11 +13,13 @@ The first half is I/O free and unit tested (tests/test_broker.py):
     coordinator's lease (and so to its transactional id, checkpoint and attempt), or to a
     transactional id from ListTransactions the coordinator does not know.
 (Which open transactions are lingering is decided in coordinator/protocol/recovery_rules.py.)
+`PartitionWatch`
+    The previous observation per sink and partition, kept in-process, so that a stateless caller
+    can tell a stalled last stable offset from a moving one.
 
-The second half is the thin glue the HTTP API uses for on-demand checks: `check_sink_broker`
-(`check_broker` with the sink's pool ids as the known ids) and `observe_partitions`
-(`partition_stability` compared with the previous observation kept in-process per sink by a
-`PartitionWatch`).
+The glue that runs these against a registered sink through the coordinator (`check_sink_broker`,
+`observe_partitions`, `lingering_transactions`, `record_lso_lag`) is in
+coordinator/service/broker_checks.py.
 """
 
 from __future__ import annotations
@@ -27,28 +29,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from sqlalchemy import select
-
-from ..service import metrics
-from .control_plane import (
-    BrokerCheck,
-    ControlPlaneError,
-    KafkaControlPlane,
-    KafkaTarget,
-    OpenTransaction,
-    PartitionStability,
-)
-from ..protocol import errors as e
-from ..protocol import recovery_rules, rules
-from ..protocol.model import Lease, Sink
+from ..protocol.model import Lease
 from ..protocol.states import UNRESOLVED_LEASE_STATES
-from ..store import repo
-from ..store.tables import leases, transactional_ids
-
-if TYPE_CHECKING:
-    from ..service import Coordinator
+from .control_plane import OpenTransaction, PartitionStability
 
 log = logging.getLogger(__name__)
 
@@ -208,88 +192,3 @@ class PartitionWatch:
     def forget(self, sink: str) -> None:
         with self._lock:
             self._seen.pop(sink, None)
-
-
-# --- on-demand checks through the coordinator ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PartitionReport:
-    partitions: list[PartitionStability]
-    stuck: list[StuckPartition]
-    blocking: list[BlockingTransaction]
-    notes: list[str]
-
-
-def _plane_and_target(coordinator: Coordinator, name: str) -> tuple[KafkaControlPlane, KafkaTarget, Sink]:
-    sink = coordinator.get_sink(name)  # 404 for an unknown sink, before anything else
-    if coordinator.control_plane is None:
-        raise e.Unavailable(
-            e.NO_CONTROL_PLANE,
-            "the coordinator has no Kafka control plane configured (COORDINATOR_KAFKA_CONTROL_PLANE), so it cannot "
-            "observe the broker",
-        )
-    return coordinator.control_plane, KafkaTarget(sink.name, sink.bootstrap_servers, sink.transaction_timeout_ms), sink
-
-
-def known_transactional_ids(coordinator: Coordinator, sink_id: int) -> set[str]:
-    """Every transactional id of the sink's pool: the ids the coordinator created under its prefix."""
-    with coordinator.engine.connect() as conn:
-        rows = conn.execute(select(transactional_ids.c.transactional_id).where(transactional_ids.c.sink_id == sink_id))
-        return set(rows.scalars())
-
-
-def check_sink_broker(coordinator: Coordinator, name: str) -> list[BrokerCheck]:
-    """`check_broker` for a registered sink: its bootstrap servers, transaction timeout and id
-    prefix ("<prefix>-", as the pool names ids), with the sink's pool ids as the ids the
-    coordinator knows. 503 without a control plane."""
-    plane, target, sink = _plane_and_target(coordinator, name)
-    known = known_transactional_ids(coordinator, sink.id)
-    # pool ids are "<stem><ordinal>" (rules.transactional_id_for): only ids under the stem can collide
-    return plane.check_broker(target, rules.transactional_id_stem(sink.transactional_id_prefix), known)
-
-
-def lingering_transactions(coordinator: Coordinator, name: str) -> list[OpenTransaction]:
-    """The open transactions under the sink's prefix that no unresolved lease explains, read only
-    (the dashboard shows them; the recovery loop's `Coordinator.sweep_lingering` aborts them)."""
-    plane, target, sink = _plane_and_target(coordinator, name)
-    listed = plane.list_open_transactions(target, rules.transactional_id_stem(sink.transactional_id_prefix))
-    return recovery_rules.lingering(listed, coordinator.possibly_open_transactions(name)) if listed else []
-
-
-def observe_partitions(coordinator: Coordinator, name: str, watch: PartitionWatch, *, min_stall_s: float) -> PartitionReport:
-    """High watermark and last stable offset of every partition of the sink's topics, which of them
-    are stuck (compared with the previous observation this process made), and who holds them.
-    A broker failure is a 503 naming it."""
-    plane, target, sink = _plane_and_target(coordinator, name)
-    topics = list(sink.topics)
-    try:
-        current = plane.partition_stability(target, topics)
-    except ControlPlaneError as exc:
-        raise e.Unavailable("kafka_unavailable", f"could not observe the sink's partitions: {exc}", code=exc.code) from exc
-    metrics.partitions_observed(name, current)
-    stuck = watch.observe(name, current, min_stall_s=min_stall_s)
-    notes = []
-    if not topics:
-        notes.append("the sink was registered without topics: nothing to observe")
-    if stuck:
-        pids = sorted({s.blocking_producer_id for s in stuck if s.blocking_producer_id is not None})
-        with coordinator.engine.connect() as conn:
-            related = repo.leases_where(conn, leases.c.sink_id == sink.id, leases.c.producer_id.in_(pids)) if pids else []
-        blocking = name_blocking_transactions(stuck, related)
-        if any(s.blocking_producer_id is None for s in stuck):
-            notes.append("the broker did not name the producer holding some partitions (DescribeProducers, KIP-664, "
-                         "Kafka >= 3.0, unsupported or refused)")
-    else:
-        blocking = []
-    return PartitionReport(current, stuck, blocking, notes)
-
-
-def record_lso_lag(coordinator: Coordinator, name: str) -> None:
-    """Observe the sink's partitions and set their last-stable-offset lag gauges (the recovery
-    loop calls this every iteration). Best effort: a failure is logged, never raised."""
-    try:
-        plane, target, sink = _plane_and_target(coordinator, name)
-        metrics.partitions_observed(name, plane.partition_stability(target, list(sink.topics)))
-    except Exception as exc:  # noqa: BLE001 - the gauge is an observation, not a step of recovery
-        log.debug("could not observe the partitions of sink %s for the lag gauge: %s", name, exc)

@@ -9,21 +9,18 @@ protocol plugs in here; a KIP-939 (prepared transactions) variant would be anoth
 
 `RecordingControlPlane` is the explicit "no Kafka control plane" mode: it touches no broker and
 only records what it was asked to do. It exists for tests and must never run in production;
-`build_control_plane` logs that loudly when it is chosen.
+`coordinator.kafka.build_control_plane` logs that loudly when it is chosen.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..protocol.rules import commit_refusal_is_final
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -219,26 +216,3 @@ class RecordingControlPlane:
     def close(self) -> None:
         pass
 
-
-def build_control_plane(kind: str | None, **kafka_options: Any) -> KafkaControlPlane | None:
-    """`None` (not configured): the service runs, but refuses to decide commits (503) and leaves
-    aborts pending, because it cannot act on Kafka. "none": the recording test mode. "kafka": the
-    real control plane on Kafka's wire protocol (coordinator/kafka/wire/), built with
-    `kafka_options` (timeouts, retry budget, client security settings)."""
-    if kind is None:
-        log.warning(
-            "no Kafka control plane is configured (COORDINATOR_KAFKA_CONTROL_PLANE): commits will "
-            "be refused with 503 and aborts stay pending until one is configured"
-        )
-        return None
-    if kind == "none":
-        log.warning(
-            "COORDINATOR_KAFKA_CONTROL_PLANE=none: commits and aborts are recorded but NEVER sent "
-            "to Kafka. This mode is for tests only; never use it in production."
-        )
-        return RecordingControlPlane()
-    if kind == "kafka":
-        from .wire.control_plane import KafkaWireControlPlane  # imports kafka-python only when chosen
-
-        return KafkaWireControlPlane(**kafka_options)
-    raise ValueError(f"unknown Kafka control plane {kind!r}")

@@ -3,6 +3,10 @@
 Nothing here reads a clock, a database or a network: callers pass `now` and the rows they read,
 and act on the returned decision inside their own transaction. Every function either returns a
 decision or raises a ProtocolError whose reason the client can branch on.
+
+Long because the protocol's rules are kept in one file, in protocol order (sinks and ids,
+generations, begin, leases and pre-commits, commit, lost data), so that they read as one
+specification; each section is short and the states they move are in states.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Two kinds:
 - Event-derived counters and histograms, recorded where the event happens (commits, aborts,
-  refused requests, HTTP requests, the recovery loop). They are per process: with several
+  refused requests, the recovery loop; HTTP request latency is coordinator/http/metrics.py's). They are per process: with several
   replicas, sum them in Prometheus. The recovery loop's come only from the replica that leads it
   (`coordinator_recovery_leader` is 1 there).
 - State-derived gauges (open transactions, the oldest one's age, checkpoints by state), computed
@@ -34,7 +34,6 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine, text
-from starlette.routing import Mount
 
 from ..protocol.states import UNRESOLVED_LEASE_STATES, LeaseState
 
@@ -138,13 +137,6 @@ PARTITION_LSO_LAG = Gauge(
     "consumers cannot read yet (an open transaction holds them), as last observed by this process",
     ["sink", "topic", "partition"],
 )
-HTTP_DURATION = Histogram(
-    "coordinator_http_request_duration_seconds",
-    "HTTP request latency by method, route template (e.g. /v1/sinks/{name}/checkpoints/{batch_id}/begin) "
-    "and status code",
-    ["method", "route", "status"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
-)
 
 
 def checkpoint_outcome(sink: str, outcome: str) -> None:
@@ -175,42 +167,6 @@ def partitions_observed(sink: str, partitions: Iterable[Any]) -> None:
     """Set the LSO lag of each observed partition (kafka_control.PartitionStability)."""
     for p in partitions:
         PARTITION_LSO_LAG.labels(sink, p.topic, str(p.partition)).set(max(0, p.high_watermark - p.last_stable_offset))
-
-
-# --- HTTP latency ------------------------------------------------------------------------------
-
-
-class HttpMetricsMiddleware:
-    """ASGI middleware: latency of every HTTP request by the matched route's path template (not
-    the raw path, which would make a series per batch id), with the prefix of the mount it is in
-    (the dashboard's "/sinks/{name}" is "/dashboard/sinks/{name}"). Unmatched paths count as "<unmatched>"."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = {"code": 500}
-        root_path = scope.get("root_path", "")
-
-        async def send_with_status(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_status)
-        finally:
-            route = scope.get("route")  # set by the (innermost) router on this scope when a route matched
-            mounted = scope.get("root_path", "")[len(root_path):]  # each Mount passed adds its prefix
-            if route is not None and not isinstance(route, Mount):
-                template = mounted + route.path
-            else:  # no route, or a mount that is not a router (static files): the mount's prefix
-                template = mounted or "<unmatched>"
-            HTTP_DURATION.labels(scope["method"], template, str(status["code"])).observe(time.perf_counter() - started)
 
 
 # --- state from the database, at scrape time -----------------------------------------------------

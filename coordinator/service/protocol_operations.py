@@ -1,7 +1,11 @@
 """The protocol operations a Spark driver and its executors call, in protocol order: register a
 sink, start a generation (or reset the lineage), begin a checkpoint, lease a transactional id per
 partition, pre-commit, commit (or resume a decided commit), abort; and the operator's
-acknowledgement of lost data."""
+acknowledgement of lost data.
+
+Long because these operations are the protocol's sequence of calls, each one transaction, kept
+in the order a batch goes through them; the reads they share are in reads.py, recovery in
+recovery_operations.py."""
 
 from __future__ import annotations
 

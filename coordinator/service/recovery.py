@@ -33,9 +33,9 @@ from typing import Any
 
 from sqlalchemy import Engine, text
 
-from ..kafka.broker import record_lso_lag
 from ..kafka.control_plane import ControlPlaneError
 from . import Coordinator, metrics
+from .broker_checks import record_lso_lag
 
 log = logging.getLogger(__name__)
 

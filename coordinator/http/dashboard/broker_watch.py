@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ...kafka.broker import BlockingTransaction, PartitionWatch, StuckPartition, lingering_transactions, observe_partitions
+from ...kafka.broker import BlockingTransaction, PartitionWatch, StuckPartition
 from ...kafka.control_plane import ControlPlaneError, OpenTransaction
 from ...protocol import errors as e
+from ...service.broker_checks import lingering_transactions, observe_partitions
 
 if TYPE_CHECKING:
     from ...service import Coordinator

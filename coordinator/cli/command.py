@@ -5,9 +5,10 @@
                         the example Spark pipeline, a read_committed check and a summary
   doctor                check the database, migrations, Kafka and the sinks' settings (coordinator/cli/doctor.py)
   sinks, checkpoints, transactions, commit, abort, acknowledge, retire
-                        operator commands against a running coordinator (HTTP, admin token)
+                        operator commands against a running coordinator (HTTP, admin token; cli/operator_commands.py)
   kafka abort-transaction, kafka commit-transaction
                         act on one Kafka transaction directly, outside the coordinator's bookkeeping
+                        (cli/kafka_commands.py)
 """
 
 from __future__ import annotations
@@ -20,12 +21,20 @@ import secrets
 import signal
 import sys
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
-from .. import DEFAULT_DATA_DIR
+from .kafka_commands import kafka_cmd
+from .operator_commands import (
+    abort_cmd,
+    acknowledge_cmd,
+    checkpoints_cmd,
+    commit_cmd,
+    operator_cmd,
+    retire_cmd,
+    sinks_cmd,
+    transactions_cmd,
+)
 
 log = logging.getLogger("coordinator")
 
@@ -39,11 +48,6 @@ def missing_server_modules() -> list[str]:
     import importlib.util
 
     return [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
-
-
-def data_dir() -> Path:
-    """COORDINATOR_DATA_DIR (read without the server's settings stack, which a client-only install lacks)."""
-    return Path(os.environ.get("COORDINATOR_DATA_DIR") or DEFAULT_DATA_DIR)
 
 
 def admin_token_file(data_dir: Path) -> tuple[str, bool]:
@@ -74,11 +78,6 @@ def _arg(type_name: str) -> Callable[[str], Any]:
 
     parse.__name__ = type_name  # argparse names the type in its message
     return parse
-
-
-def _segment(value: str) -> str:
-    """A path segment of the API's URLs (a sink name is checked, but quote all the same)."""
-    return quote(value, safe="")
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
@@ -190,222 +189,6 @@ def doctor_cmd(args: argparse.Namespace) -> int:
         warns = sum(f.verdict == doctor.WARN for f in findings)
         print(f"{len(findings)} checks: {len(findings) - fails - warns} ok, {warns} warn, {fails} fail")
     return doctor.exit_code(findings)
-
-
-# --- operator commands over HTTP ------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.status = status
-        self.reason = reason
-        self.message = message
-
-
-class AdminApi:
-    """The few REST API v1 calls the operator commands make, with the admin token."""
-
-    def __init__(self, url: str, token: str, timeout_s: float = 60.0) -> None:
-        import httpx
-
-        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s,
-                                 headers={"Authorization": f"Bearer {token}"})
-
-    def call(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
-        import httpx
-
-        try:
-            resp = self.http.request(method, path, json=body, params={k: v for k, v in params.items() if v is not None})
-        except httpx.HTTPError as exc:
-            raise ApiError(0, "unreachable", f"{method} {self.http.base_url}{path}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code >= 400:
-            try:
-                err = resp.json()["error"]
-                raise ApiError(resp.status_code, err["reason"], err["message"])
-            except (ValueError, KeyError, TypeError):
-                raise ApiError(resp.status_code, f"http_{resp.status_code}", resp.text[:500]) from None
-        # Not the coordinator's API (a login page, a proxy's redirect, another service): say where
-        # the answer came from instead of failing to decode it.
-        check = "check that --url (or COORDINATOR_URL) points at the coordinator itself, not a proxy or another service"
-        if resp.is_redirect:
-            raise ApiError(resp.status_code, "not_coordinator",
-                           f"{method} {resp.url} answered {resp.status_code} redirecting to "
-                           f"{resp.headers.get('location', '(no Location)')}; {check}")
-        try:
-            return resp.json()
-        except ValueError:
-            raise ApiError(resp.status_code, "not_coordinator",
-                           f"{method} {resp.url} answered {resp.status_code} with "
-                           f"{resp.headers.get('content-type', 'no content type')}, not JSON; {check}") from None
-
-
-def _is_local(url: str) -> bool:
-    from urllib.parse import urlsplit
-
-    return (urlsplit(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
-
-
-def _api(args: argparse.Namespace) -> AdminApi:
-    url = args.url or os.environ.get("COORDINATOR_URL") or "http://127.0.0.1:8000"
-    token = args.token or os.environ.get("COORDINATOR_ADMIN_TOKEN")
-    token_file = data_dir() / "admin-token"
-    if not token and _is_local(url) and token_file.exists():
-        # the token the embedded default wrote; only sent to a coordinator on this machine
-        token = token_file.read_text().strip()
-    if not token:
-        raise ApiError(0, "no_token", "give --token or set COORDINATOR_ADMIN_TOKEN (the coordinator's admin token); "
-                       f"for a coordinator on this machine, {token_file} is read when it exists")
-    return AdminApi(url, token)
-
-
-def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    if not rows:
-        return "(none)"
-    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def _parse_time(value: str) -> datetime:
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
-def sinks_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    data = _api(args).call("GET", "/v1/sinks")
-    rows = [{**s, "topics": ",".join(s["topics"]), "halted": "HALTED" if s["halted"] else ""} for s in data]
-    return data, _table(rows, ["name", "transactional_id_prefix", "bootstrap_servers", "topics",
-                               "transaction_timeout_ms", "generation", "halted"])
-
-
-def checkpoints_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    data = _api(args).call("GET", f"/v1/sinks/{_segment(args.sink)}/checkpoints", state=args.state, limit=args.limit)
-    return data, _table(data, ["batch_id", "state", "current_attempt", "committed_attempt", "created_at",
-                               "committed_at", "lost_reason"])
-
-
-def transactions_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    data = _api(args).call("GET", f"/v1/sinks/{_segment(args.sink)}/transactions/open")
-    now = datetime.now(timezone.utc)
-    rows = []
-    for x in data:
-        leased, deadline = _parse_time(x["leased_at"]), _parse_time(x["deadline_at"])
-        age_s = (now - leased).total_seconds()
-        timeout_s = (deadline - leased).total_seconds()
-        x["age_s"] = round(age_s, 1)
-        x["timeout_s"] = round(timeout_s, 1)
-        x["age_pct"] = round(100 * age_s / timeout_s) if timeout_s > 0 else None
-        rows.append(x)
-    return data, _table(rows, ["lease_id", "partition", "transactional_id", "state", "producer_id", "producer_epoch",
-                               "records", "age_s", "timeout_s", "age_pct"])
-
-
-def commit_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    data = _api(args).call("POST", f"/v1/sinks/{_segment(args.sink)}/checkpoints/{args.batch_id}/resume")
-    text_ = (f"batch {data['batch_id']}: {data['state']} by attempt {data['attempt']}; "
-             f"{len(data['committed'])} partition(s) committed, {len(data['aborted'])} transaction(s) aborted, "
-             f"{len(data['abort_pending'])} abort(s) pending")
-    return data, "\n".join([text_, *data.get("warnings", [])])
-
-
-def abort_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    data = _api(args).call("POST", f"/v1/sinks/{_segment(args.sink)}/checkpoints/{args.batch_id}/attempts/{args.attempt}/abort",
-                           {"reason": args.reason})
-    a = data["attempt"]
-    return data, (f"batch {args.batch_id} attempt {a['number']}: {a['state']}; "
-                  f"aborted {data['aborted'] or 'nothing'}; pending {data['abort_pending'] or 'nothing'}")
-
-
-def acknowledge_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    body = {"reason": args.reason, **({"operator": args.operator} if args.operator else {})}
-    data = _api(args).call("POST", f"/v1/sinks/{_segment(args.sink)}/lost-data/acknowledge", body)
-    if data["acknowledged"]:
-        return data, f"sink {args.sink}: lost data acknowledged (lost batches {data['lost_batches']}); the halt is cleared"
-    return data, f"sink {args.sink} was not halted: nothing to acknowledge"
-
-
-def retire_cmd(args: argparse.Namespace) -> tuple[Any, str]:
-    data = _api(args).call("POST", f"/v1/sinks/{_segment(args.sink)}/retire", {"reason": args.reason})
-    return data, f"sink {data['name']} retired at {data['retired_at']}; its records and event trail are kept"
-
-
-def operator_cmd(fn: Callable[[argparse.Namespace], tuple[Any, str]]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            data, text_ = fn(args)
-        except ApiError as exc:
-            print(f"coordinator {args.command}: {exc.reason}: {exc.message}", file=sys.stderr)
-            return 1
-        print(json.dumps(data, indent=2) if args.json else text_)
-        return 0
-
-    return run
-
-
-# --- direct Kafka transactions (FLINK-39218) ----------------------------------------------------------
-
-
-def _confirm(args: argparse.Namespace, action: str) -> bool:
-    if args.yes:
-        return True
-    print(f"This will {action} on {args.bootstrap_servers}, outside the coordinator's bookkeeping: the coordinator "
-          "does not learn of it. Use it only for a transaction no running coordinator owns.", file=sys.stderr)
-    if not sys.stdin.isatty():
-        print("coordinator kafka: not confirmed (stdin is not a terminal); pass --yes to proceed", file=sys.stderr)
-        return False
-    return input("Type 'yes' to proceed: ").strip() == "yes"
-
-
-FORCE_COMMIT_WHY = (
-    "coordinator kafka commit-transaction: refused without --force. Committing a transaction the coordinator "
-    "did not decide makes its records visible whatever the bookkeeping says: a losing task attempt's copy of a "
-    "partition lands next to the winner's (duplicates), and an attempt that was never decided shows a partial "
-    "batch that Spark will write again. Use it only when no coordinator can finish the batch and its record names "
-    "this transaction a decided winner (`coordinator checkpoints SINK`, the batch's COMMITTING state); otherwise "
-    "let `coordinator commit SINK BATCH` (resume) do it.")
-
-
-def kafka_cmd(args: argparse.Namespace) -> int:
-    from ..kafka.control_plane import ControlPlaneError, KafkaTarget, PreparedTransaction
-    from ..kafka.wire.control_plane import KafkaWireControlPlane
-
-    tid = args.transactional_id
-    if args.kafka_command == "abort-transaction":
-        action = f"abort whatever transaction {tid!r} holds (InitProducerId fences its producer)"
-    else:
-        action = f"commit transaction {tid!r} of producer id {args.producer_id} epoch {args.epoch} (EndTxn)"
-        if not args.force:
-            print(FORCE_COMMIT_WHY, file=sys.stderr)
-            return 2
-    if not _confirm(args, action):
-        return 2
-    from ..settings import Settings
-
-    settings = Settings()
-    plane = KafkaWireControlPlane(request_timeout_ms=args.timeout_ms, retry_budget_ms=args.timeout_ms * 3,
-                                  client_config=settings.kafka_options()["client_config"], client_id="coordinator-cli")
-    target = KafkaTarget("cli", args.bootstrap_servers, args.transaction_timeout_ms)
-    try:
-        if args.kafka_command == "abort-transaction":
-            plane.abort(target, tid)
-            print(f"aborted: {tid!r} is fenced and holds no open transaction")
-        else:
-            plane.commit(target, PreparedTransaction(tid, args.producer_id, args.epoch))
-            print(f"committed: transaction {tid!r} (producer id {args.producer_id}, epoch {args.epoch})")
-    except ControlPlaneError as exc:
-        if exc.retriable:
-            kind = "retriable"
-        elif exc.transaction_gone or exc.code == "invalid_producer_id":  # (the latter: nothing was sent)
-            kind = "refused for good"
-        else:  # e.g. UNKNOWN_SERVER_ERROR, an authorization failure: the transaction may still commit
-            kind = "not final: retry later"
-        print(f"coordinator kafka {args.kafka_command}: {exc.code} ({kind}): {exc}", file=sys.stderr)
-        return 1
-    finally:
-        plane.close()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

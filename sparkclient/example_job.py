@@ -142,7 +142,7 @@ def wait_for_kafka(bootstrap: str, wait_s: float) -> bool:
     said = False
     while True:
         try:
-            admin.list_topics(timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+            admin.list_topics(timeout=max(0.5, min(2.0, deadline - time.monotonic())))
             return True
         except KafkaException:
             if time.monotonic() >= deadline:

@@ -12,6 +12,8 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Query, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..service import metrics
@@ -81,23 +83,40 @@ bearer_scheme = HTTPBearer(
 
 
 class _SinkTokenCache:
-    """name -> (id, token version), kept a few seconds so a protocol call authenticates without a
-    second database round trip. Rotation in this process invalidates at once; in others after ttl."""
+    """name -> (sink id, its current writer token), kept a few seconds so a protocol call
+    authenticates without a database round trip or an HMAC. Rotation in this process invalidates at
+    once; in others after ttl."""
 
-    def __init__(self, ttl_s: float = 5.0) -> None:
+    def __init__(self, token_secret: bytes, ttl_s: float = 5.0) -> None:
+        self.token_secret = token_secret
         self.ttl_s = ttl_s
-        self._entries: dict[str, tuple[float, int, int]] = {}
+        self._entries: dict[str, tuple[float, int, str]] = {}
 
-    def get(self, name: str, load: Callable[[str], Sink]) -> tuple[int, int]:
+    def fresh(self, name: str) -> tuple[int, str] | None:
+        """The cached entry if it is fresh (no I/O: called on the event loop)."""
         hit = self._entries.get(name)
         if hit is not None and time.monotonic() - hit[0] < self.ttl_s:
             return hit[1], hit[2]
+        return None
+
+    def get(self, name: str, load: Callable[[str], Sink]) -> tuple[int, str]:
+        hit = self.fresh(name)
+        if hit is not None:
+            return hit
         sink = load(name)
-        self._entries[name] = (time.monotonic(), sink.id, sink.writer_token_version)
-        return sink.id, sink.writer_token_version
+        token = writer_token(self.token_secret, sink.id, sink.writer_token_version)
+        self._entries[name] = (time.monotonic(), sink.id, token)
+        return sink.id, token
 
     def forget(self, name: str) -> None:
         self._entries.pop(name, None)
+
+
+def _json(model: BaseModel, status_code: int = 200) -> Response:
+    """The answer as FastAPI would serialise it for the route's response_model (pydantic's JSON,
+    by alias), built in the handler: FastAPI then neither re-validates the value nor hands its
+    serialisation to the thread pool a second time (the hot protocol routes)."""
+    return Response(model.model_dump_json(by_alias=True), status_code=status_code, media_type="application/json")
 
 
 def create_app(
@@ -122,7 +141,7 @@ def create_app(
     app.state.coordinator = coordinator
     app.add_middleware(HttpMetricsMiddleware)
     database_metrics = metrics.database_registry(coordinator.engine)
-    cache = _SinkTokenCache()
+    cache = _SinkTokenCache(token_secret)
 
     # --- errors ------------------------------------------------------------------------------
 
@@ -134,27 +153,31 @@ def create_app(
 
     # --- authentication ----------------------------------------------------------------------
 
-    def bearer(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]) -> str:
+    # async: no I/O on the event loop except a cache miss, which goes to the thread pool (a sync
+    # dependency would cost a thread-pool hand-off per call each)
+    async def bearer(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]) -> str:
         if credentials is None:
             raise _Unauthorized()
         return credentials.credentials.strip()
 
-    def admin(token: Annotated[str, Depends(bearer)]) -> Principal:
+    async def admin(token: Annotated[str, Depends(bearer)]) -> Principal:
         if not tokens_equal(token, admin_token):
             raise _Forbidden("this action needs the admin token")
         return Principal(is_admin=True)
 
-    def writer(name: SinkName, token: Annotated[str, Depends(bearer)]) -> Principal:
+    async def writer(name: SinkName, token: Annotated[str, Depends(bearer)]) -> Principal:
         """The sink's writer token, or the admin token. Without the admin token, an unknown sink
         and another sink's are refused alike: the answer does not tell which names exist."""
         if tokens_equal(token, admin_token):
             return Principal(is_admin=True)
         not_yours = _Forbidden("the token is neither the admin token nor this sink's writer token")
-        try:
-            sink_id, version = cache.get(name, coordinator.get_sink)
-        except e.NotFound:
-            raise not_yours from None
-        if not tokens_equal(token, writer_token(token_secret, sink_id, version)):
+        hit = cache.fresh(name)
+        if hit is None:
+            try:
+                hit = await run_in_threadpool(cache.get, name, coordinator.get_sink)
+            except e.NotFound:
+                raise not_yours from None
+        if not tokens_equal(token, hit[1]):
             raise not_yours
         return Principal(is_admin=False, sink_name=name)
 
@@ -230,11 +253,11 @@ def create_app(
         cache.forget(name)
         return registered(sink)
 
-    @app.post("/v1/sinks/{name}/generations", tags=["protocol"], responses=PROTOCOL)
-    def start_generation(name: SinkName, body: GenerationRequest, who: Writer) -> GenerationOut:
+    @app.post("/v1/sinks/{name}/generations", tags=["protocol"], responses=PROTOCOL, response_model=GenerationOut)
+    def start_generation(name: SinkName, body: GenerationRequest, who: Writer) -> Response:
         """A Spark query (re)started: returns a new generation that fences every older driver."""
         gen, aborts = coordinator.start_generation(name, body.query_id, body.run_id, who.actor)
-        return GenerationOut(generation=gen, aborted=aborts.aborted, abort_pending=aborts.pending)
+        return _json(GenerationOut(generation=gen, aborted=aborts.aborted, abort_pending=aborts.pending))
 
     @app.post("/v1/sinks/{name}/lineage/reset", tags=["operator"], responses=PROTOCOL)
     def reset_lineage(name: SinkName, body: LineageReset, who: Admin) -> SinkOut:
@@ -260,50 +283,58 @@ def create_app(
         return LostDataAcknowledged(sink=SinkOut.of(sink), acknowledged=acknowledged, lost_batches=lost)
 
     # --- checkpoints -------------------------------------------------------------------------
+    # The protocol routes answer a ready Response (see _json) with the model named in the decorator.
 
-    @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/begin", tags=["protocol"], responses=PROTOCOL)
-    def begin_checkpoint(name: SinkName, batch_id: BatchId, body: BeginCheckpointRequest, who: Writer) -> BeginOut:
-        return BeginOut.of(coordinator.begin_checkpoint(
-            name, batch_id, body.generation, who.actor, partitions=body.partitions, offsets_digest=body.offsets))
+    @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/begin", tags=["protocol"], responses=PROTOCOL,
+              response_model=BeginOut)
+    def begin_checkpoint(name: SinkName, batch_id: BatchId, body: BeginCheckpointRequest, who: Writer) -> Response:
+        return _json(BeginOut.of(coordinator.begin_checkpoint(
+            name, batch_id, body.generation, who.actor, partitions=body.partitions, offsets_digest=body.offsets)))
 
     @app.post(
-        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/leases", tags=["protocol"], responses=PROTOCOL
+        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/leases", tags=["protocol"], responses=PROTOCOL,
+        response_model=LeaseGranted,
     )
     def begin_partition(
         name: SinkName, batch_id: BatchId, attempt: AttemptNumber, body: LeaseRequest, _: Writer
-    ) -> LeaseGranted:
+    ) -> Response:
         lease = coordinator.begin_partition(name, batch_id, attempt, body.generation, body.partition, body.task_attempt_id)
         out = LeaseOut.of(lease, attempt)
         timeout_ms = int((lease.deadline_at - lease.leased_at).total_seconds() * 1000)
         age_ms = max(0, int((coordinator.clock.now() - lease.leased_at).total_seconds() * 1000))  # the database's clock
-        return LeaseGranted(**out.model_dump(), transaction_timeout_ms=timeout_ms, age_ms=age_ms,
-                            max_lease_init_age_ms=coordinator.limits.lease_max_init_age_ms)
+        return _json(LeaseGranted(**out.model_dump(), transaction_timeout_ms=timeout_ms, age_ms=age_ms,
+                                  max_lease_init_age_ms=coordinator.limits.lease_max_init_age_ms))
 
-    @app.post("/v1/sinks/{name}/leases/{lease_id}/precommit", tags=["protocol"], responses=PROTOCOL)
-    def precommit(name: SinkName, lease_id: LeaseId, body: PrecommitBody, _: Writer) -> LeaseOut:
+    @app.post("/v1/sinks/{name}/leases/{lease_id}/precommit", tags=["protocol"], responses=PROTOCOL,
+              response_model=LeaseOut)
+    def precommit(name: SinkName, lease_id: LeaseId, body: PrecommitBody, _: Writer) -> Response:
         req = PrecommitRequest(body.producer_id, body.producer_epoch, body.records, body.bytes, body.write_ms)
-        return LeaseOut.of(coordinator.precommit(name, lease_id, body.generation, req))
+        return _json(LeaseOut.of(coordinator.precommit(name, lease_id, body.generation, req)))
 
     @app.post(
-        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/commit", tags=["protocol"], responses=PROTOCOL
+        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/commit", tags=["protocol"], responses=PROTOCOL,
+        response_model=CommitOut,
     )
-    def commit(name: SinkName, batch_id: BatchId, attempt: AttemptNumber, body: CommitRequest, who: Writer) -> CommitOut:
+    def commit(name: SinkName, batch_id: BatchId, attempt: AttemptNumber, body: CommitRequest, who: Writer) -> Response:
         results = [p.result() for p in body.partitions]
-        return CommitOut.of(coordinator.commit(name, batch_id, attempt, body.generation, results, who.actor, body.job_ms))
+        return _json(CommitOut.of(
+            coordinator.commit(name, batch_id, attempt, body.generation, results, who.actor, body.job_ms)))
 
     @app.post(
-        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/abort", tags=["protocol"], responses=PROTOCOL
+        "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/abort", tags=["protocol"], responses=PROTOCOL,
+        response_model=AbortOut,
     )
-    def abort(name: SinkName, batch_id: BatchId, attempt: AttemptNumber, body: AbortRequest, who: Writer) -> AbortOut:
+    def abort(name: SinkName, batch_id: BatchId, attempt: AttemptNumber, body: AbortRequest, who: Writer) -> Response:
         if not who.is_admin and body.generation is None:
             raise e.Invalid("generation_required", "a writer must name its generation", field="generation")
         result, outcome = coordinator.abort_attempt(name, batch_id, attempt, body.generation, body.reason, who.actor)
-        return AbortOut.of(result, outcome)
+        return _json(AbortOut.of(result, outcome))
 
-    @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/resume", tags=["protocol"], responses=PROTOCOL)
-    def resume(name: SinkName, batch_id: BatchId, _: Writer) -> CommitOut:
+    @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/resume", tags=["protocol"], responses=PROTOCOL,
+              response_model=CommitOut)
+    def resume(name: SinkName, batch_id: BatchId, _: Writer) -> Response:
         """Finish a decided commit; answers from the record if it is already finished."""
-        return CommitOut.of(coordinator.resume(name, batch_id))
+        return _json(CommitOut.of(coordinator.resume(name, batch_id)))
 
     # --- reads -------------------------------------------------------------------------------
 

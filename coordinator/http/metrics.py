@@ -22,22 +22,25 @@ HTTP_DURATION = Histogram(
 class HttpMetricsMiddleware:
     """ASGI middleware: latency of every HTTP request by the matched route's path template (not
     the raw path, which would make a series per batch id), with the prefix of the mount it is in
-    (the dashboard's "/sinks/{name}" is "/dashboard/sinks/{name}"). Unmatched paths count as "<unmatched>"."""
+    (the dashboard's "/sinks/{name}" is "/dashboard/sinks/{name}"). Unmatched paths count as "<unmatched>".
+    Each series' child is looked up once and kept (the templates are a fixed set)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
+        self._children: dict[tuple[str, str, int], Any] = {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        status = {"code": 500}
+        status = 500
         root_path = scope.get("root_path", "")
 
         async def send_with_status(message: dict[str, Any]) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status = message["status"]
             await send(message)
 
         try:
@@ -49,4 +52,8 @@ class HttpMetricsMiddleware:
                 template = mounted + route.path
             else:  # no route, or a mount that is not a router (static files): the mount's prefix
                 template = mounted or "<unmatched>"
-            HTTP_DURATION.labels(scope["method"], template, str(status["code"])).observe(time.perf_counter() - started)
+            key = (scope["method"], template, status)
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = HTTP_DURATION.labels(scope["method"], template, str(status))
+            child.observe(time.perf_counter() - started)

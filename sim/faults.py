@@ -64,8 +64,11 @@ class FaultConfig:
     checkpoint_restore: float = 0.0  # per driver restart: Spark's checkpoint restored from an older backup
     kafka_unexpected_error: float = 0.0  # per commit call: UNKNOWN_SERVER_ERROR / an authorization failure
     end_txn_lost_reinit: float = 0.0  # per commit call: applied, answer lost, then the id initialised again
+    stage_retry: float = 0.0  # per write job: stage attempt 0 is lost, its first tries (on their pre-leases)
+    #                           never ran, wrote, or stalled as zombies; the stage re-runs on fresh leases
 
-    ISSUE_15 = ("zombie_executor", "clock_skew", "checkpoint_restore", "kafka_unexpected_error", "end_txn_lost_reinit")
+    ISSUE_15 = ("zombie_executor", "clock_skew", "checkpoint_restore", "kafka_unexpected_error", "end_txn_lost_reinit",
+                "stage_retry")
 
     @classmethod
     def none(cls) -> FaultConfig:
@@ -74,7 +77,7 @@ class FaultConfig:
     def with_issue_15(self, **overrides: float) -> FaultConfig:
         """Every fault kind of issue 15 on, at rates that fire in most schedules."""
         rates = dict(zombie_executor=0.08, clock_skew=0.3, checkpoint_restore=0.15, kafka_unexpected_error=0.1,
-                     end_txn_lost_reinit=0.05)
+                     end_txn_lost_reinit=0.05, stage_retry=0.1)
         return self.scaled(**{**rates, **overrides})
 
     def scaled(self, **overrides: float) -> FaultConfig:

@@ -184,17 +184,44 @@ class Driver:
         sim = self.sim
         parts = [[r for i, r in enumerate(records) if i % n == p] for p in range(n)]
         sim.trace(f"job batch {batch} attempt {attempt}: {n} partitions {[len(p) for p in parts]}")
+        stage_attempt = 0
+        if sim.faults.roll("stage_retry"):
+            self.lose_stage_attempt(batch, attempt, parts, pre_leases)
+            stage_attempt = 1
         results = []
         for p, rows in enumerate(parts):
             if not rows:
                 results.append(PartitionResult(p, None))
                 continue
-            lease_id, record = self.run_task_set(batch, attempt, p, rows, pre_leases.get(p))
+            lease_id, record = self.run_task_set(batch, attempt, p, rows, pre_leases.get(p), stage_attempt)
             results.append(PartitionResult(p, lease_id, record))
         return results
 
+    def lose_stage_attempt(self, batch: int, attempt: int, parts: list[list[str]], pre_leases: dict[int, Lease]) -> None:
+        """Spark re-runs the whole stage (a fetch failure): stage attempt 0's first tries ran on their
+        pre-leases and are given up on -- each either never started, wrote and had its result thrown
+        away (an open transaction the commit must abort), or stalled before InitProducerId (a zombie
+        whose InitProducerId lands later). Stage attempt 1's tries lease ids of their own."""
+        sim = self.sim
+        sim.faults.fired("stage_retry", f"b{batch}")
+        sim.trace(f"  !! stage attempt 0 of batch {batch} is lost: the stage re-runs")
+        for p, rows in enumerate(parts):
+            pre_lease = pre_leases.get(p)
+            if not rows or pre_lease is None:
+                continue
+            fate = sim.rng.choice(("never ran", "wrote", "stalled"))
+            self.task_attempt_ids += 1
+            if fate == "stalled":
+                sim.executor_zombie(pre_lease.transactional_id, rows)
+            elif fate == "wrote":
+                try:
+                    self.run_task(batch, attempt, p, self.task_attempt_ids, rows, pre_lease)
+                    sim.trace(f"  stage attempt 0's try of p{p} finished; its result is thrown away")
+                except TaskFailure as exc:
+                    sim.trace(f"  stage attempt 0's try of p{p} failed: {exc}")
+
     def run_task_set(self, batch: int, attempt: int, partition: int, rows: list[str],
-                     pre_lease: Lease | None) -> tuple[int, PrecommitRecord]:
+                     pre_lease: Lease | None, stage_attempt: int = 0) -> tuple[int, PrecommitRecord]:
         sim = self.sim
         for failure in range(MAX_TASK_FAILURES):
             copies = 1
@@ -204,7 +231,7 @@ class Driver:
             winners = []
             for copy in range(copies):
                 self.task_attempt_ids += 1
-                first = pre_lease if is_first_try(0, failure + copy) else None
+                first = pre_lease if is_first_try(stage_attempt, failure + copy) else None
                 try:
                     winners.append(self.run_task(batch, attempt, partition, self.task_attempt_ids, rows, first))
                 except TaskFailure as exc:

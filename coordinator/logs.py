@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable
 
 # Loggers whose lines repeat per retry while a broker is down: kafka-python's connection chatter,
 # the wire control plane's retries, the recovery loop's failing steps, the dashboard's broker watch.
-REPEATING = ("kafka", "coordinator.kafka", "coordinator.service.recovery", "coordinator.http.dashboard")
+REPEATING = ("kafka", "coordinator.kafka", "coordinator.service.recovery", "coordinator.service.broker_checks",
+             "coordinator.http.dashboard")
 _ADDRESS = re.compile(r"\b[\w.-]+:\d{2,5}\b")
 _NUMBER = re.compile(r"\d+(\.\d+)?")
 

@@ -164,7 +164,7 @@ def request_fenced(reason: str) -> None:
 
 
 def partitions_observed(sink: str, partitions: Iterable[Any]) -> None:
-    """Set the LSO lag of each observed partition (kafka_control.PartitionStability)."""
+    """Set the LSO lag of each observed partition (kafka.control_plane.PartitionStability)."""
     for p in partitions:
         PARTITION_LSO_LAG.labels(sink, p.topic, str(p.partition)).set(max(0, p.high_watermark - p.last_stable_offset))
 

@@ -334,7 +334,8 @@ class ProtocolOperations(Reads):
         other open attempt is dead once a new one begins or a new generation starts)."""
         open_ids = conn.execute(
             select(attempts.c.id)
-            .where(attempts.c.sink_id == sink.id, attempts.c.state == AttemptState.OPEN.value)
+            .where(attempts.c.sink_id == sink.id, attempts.c.state == AttemptState.OPEN.value,
+                   attempts.c.finished_at.is_(None))  # finished_at: the partial index ix_attempts_open
             .order_by(attempts.c.id)
             .with_for_update()
         ).scalars().all()

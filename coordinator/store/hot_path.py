@@ -83,7 +83,7 @@ WITH c AS (
 )
 SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')},
     (SELECT array_agg(o.id ORDER BY o.id) FROM attempts AS o
-     WHERE o.sink_id = :sink_id AND o.state = 'OPEN') AS open_attempt_ids,
+     WHERE o.sink_id = :sink_id AND o.state = 'OPEN' AND o.finished_at IS NULL) AS open_attempt_ids,
     (SELECT array_agg(u.id ORDER BY u.id) FROM checkpoints AS u
      WHERE u.sink_id = :sink_id AND u.state = 'COMMITTING' AND u.id <> c.id) AS unfinished_ids,
     (SELECT array_agg(ARRAY[l.attempt_id::text, l.state, l.transactional_id] ORDER BY l.id) FROM leases AS l
@@ -296,8 +296,9 @@ WITH u AS (
     UPDATE leases SET state = 'COMMITTED', resolved_at = :now
     WHERE id = ANY(CAST(:done AS bigint[])) AND state = 'COMMITTING' RETURNING *
 ), t AS (
-    UPDATE transactional_ids SET state = 'FREE', lease_id = NULL, released_at = :now, reusable_at = NULL
-    WHERE lease_id = ANY(CAST(:done AS bigint[])) AND state = 'LEASED'
+    UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = :now, reusable_at = NULL
+    FROM leases AS d WHERE d.id = ANY(CAST(:done AS bigint[]))
+    AND t.transactional_id = d.transactional_id AND t.lease_id = d.id AND t.state = 'LEASED'
 )
 SELECT {_names(leases)}, true AS changed FROM u
 UNION ALL

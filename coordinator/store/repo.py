@@ -389,18 +389,13 @@ def release_transactional_ids(
     )
 
 
-_RELEASE_IDS = (
-    update(transactional_ids)
-    .where(
-        transactional_ids.c.lease_id == _id_array("released_lease_ids"),
-        transactional_ids.c.state == TransactionalIdState.LEASED.value,
-    )
-    .values(
-        state=TransactionalIdState.FREE.value,
-        lease_id=None,
-        released_at=bindparam("released_at"),
-        reusable_at=bindparam("reusable_at", type_=transactional_ids.c.reusable_at.type),
-    )
+# a resolved lease's id, found by its unique transactional_id (lease_id is not indexed: leasing
+# an id stays a HOT update), and only while that lease still holds it
+_RELEASE_IDS = text(
+    "UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = :released_at, "
+    "reusable_at = CAST(:reusable_at AS timestamptz) "
+    "FROM leases AS l WHERE l.id = ANY(CAST(:released_lease_ids AS bigint[])) "
+    "AND t.transactional_id = l.transactional_id AND t.lease_id = l.id AND t.state = 'LEASED'"
 )
 
 

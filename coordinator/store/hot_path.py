@@ -126,8 +126,9 @@ def upsert_checkpoint(
 
 
 # A new attempt with its first tries' leases, in one statement: the attempt, the checkpoint's
-# current attempt, the audit event, one LEASED lease per partition (the i-th id to partition i,
-# ids locked by the caller's take_free_transactional_ids) and the ids handed to their leases.
+# current attempt, the audit event, one LEASED lease per partition (the i-th id to partition i;
+# ids locked by the caller's take_free_transactional_ids) and those ids handed to their leases
+# (found by their unique transactional_id: joining on an unnest() would be a nested loop).
 _NEW_ATTEMPT = text(f"""
 WITH a AS (
     INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at)
@@ -146,8 +147,7 @@ WITH a AS (
     RETURNING *
 ), t AS (
     UPDATE transactional_ids AS t SET state = 'LEASED', lease_id = l.id
-    FROM l, unnest(CAST(:tid_rows AS bigint[]), CAST(:tids AS text[])) AS v(id, tid)
-    WHERE t.id = v.id AND l.transactional_id = v.tid AND t.state = 'FREE'
+    FROM l WHERE t.transactional_id = l.transactional_id AND t.state = 'FREE'
     RETURNING t.id
 )
 SELECT {_cols(attempts, 'a', 'a_')}, {_cols(leases, 'l', 'l_')},
@@ -174,7 +174,7 @@ def insert_attempt_with_leases(
         "checkpoint_id": checkpoint_id, "sink_id": sink.id, "number": number, "generation": generation,
         "partitions": partitions, "now": now, "actor": actor, "detail": json.dumps(event_detail),
         "task_attempt_id": task_attempt_id, "lease_partitions": list(range(len(taken))),
-        "tids": [tid for _, tid in taken], "tid_rows": [row_id for row_id, _ in taken], "deadline_at": deadline_at,
+        "tids": [tid for _, tid in taken], "deadline_at": deadline_at,
     }).mappings().all()
     first = rows[0]
     if first["checkpoints_updated"] != 1 or first["handed_out"] != len(taken):

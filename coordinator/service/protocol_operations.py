@@ -253,7 +253,7 @@ class ProtocolOperations(Reads):
                 fresh.append((made, sink))
                 latest = made.attempt
                 cp = replace(cp, current_attempt=number)
-            if to_abort:  # this step changed leases of earlier attempts: read them again
+            if head.open_attempt_ids:  # leases of earlier attempts may have changed since they were read
                 older: list[Any] = self._older_leases(conn, cp.id, latest)
             else:
                 current = latest.id if latest else -1

@@ -68,27 +68,30 @@ def sink_and_now(conn: Connection, name: str) -> tuple[Sink, datetime] | None:
 
 
 # The checkpoint of the batch, created if new, locked either way (ON CONFLICT DO UPDATE locks the
-# existing row as FOR UPDATE would); the offsets digest is bound at the first begin that names it
-# (COALESCE keeps a bound one, so the caller's check sees the bound digest). With it, unlocked
-# reads the rest of begin needs: the latest attempt, the sink's OPEN attempts (to abort: the
-# caller then locks them), decided commits of other batches still finishing, and the checkpoint's
-# aborted or aborting leases.
-_UPSERT_CHECKPOINT = text(f"""
-WITH c AS (
-    INSERT INTO checkpoints AS c (sink_id, query_id, batch_id, state, current_attempt, created_at, offsets_digest)
-    VALUES (:sink_id, :query_id, :batch_id, 'OPEN', 0, :now, :offsets_digest)
-    ON CONFLICT (sink_id, query_id, batch_id)
-    DO UPDATE SET offsets_digest = COALESCE(c.offsets_digest, EXCLUDED.offsets_digest)
-    RETURNING c.*
-)
-SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')},
+# existing row as FOR UPDATE would, and returns its latest version after waiting for a lock); the
+# offsets digest is bound at the first begin that names it (COALESCE keeps a bound one, so the
+# caller's check sees the bound digest).
+_UPSERT_CHECKPOINT = text("""
+INSERT INTO checkpoints AS c (sink_id, query_id, batch_id, state, current_attempt, created_at, offsets_digest)
+VALUES (:sink_id, :query_id, :batch_id, 'OPEN', 0, :now, :offsets_digest)
+ON CONFLICT (sink_id, query_id, batch_id)
+DO UPDATE SET offsets_digest = COALESCE(c.offsets_digest, EXCLUDED.offsets_digest)
+RETURNING c.*
+""")
+
+# What the rest of begin reads, unlocked, in a statement of its own (its snapshot is taken after
+# the checkpoint's lock was granted, so it sees what the lock's previous holder committed): the
+# latest attempt, the sink's OPEN attempts (to abort: the caller then locks them), decided
+# commits of other batches still finishing, and the checkpoint's aborted or aborting leases.
+_BEGIN_READS = text(f"""
+SELECT {_cols(attempts, 'a', 'a_')},
     (SELECT array_agg(o.id ORDER BY o.id) FROM attempts AS o
      WHERE o.sink_id = :sink_id AND o.state = 'OPEN' AND o.finished_at IS NULL) AS open_attempt_ids,
     (SELECT array_agg(u.id ORDER BY u.id) FROM checkpoints AS u
-     WHERE u.sink_id = :sink_id AND u.state = 'COMMITTING' AND u.id <> c.id) AS unfinished_ids,
+     WHERE u.sink_id = :sink_id AND u.state = 'COMMITTING' AND u.id <> :checkpoint_id) AS unfinished_ids,
     (SELECT array_agg(ARRAY[l.attempt_id::text, l.state, l.transactional_id] ORDER BY l.id) FROM leases AS l
-     WHERE l.checkpoint_id = c.id AND l.state IN ('ABORTED', 'ABORTING')) AS ended_leases
-FROM c LEFT JOIN attempts AS a ON a.checkpoint_id = c.id AND a.number = c.current_attempt
+     WHERE l.checkpoint_id = :checkpoint_id AND l.state IN ('ABORTED', 'ABORTING')) AS ended_leases
+FROM (SELECT 1) AS one LEFT JOIN attempts AS a ON a.checkpoint_id = :checkpoint_id AND a.number = :current_attempt
 """)
 
 
@@ -115,13 +118,16 @@ def upsert_checkpoint(
         "sink_id": sink.id, "query_id": sink.lineage_query_id, "batch_id": batch_id, "now": now,
         "offsets_digest": offsets_digest,
     }).mappings().one()
-    latest = Attempt.from_mapping(_Prefixed(row, "a_")) if row["a_id"] is not None else None
+    cp = Checkpoint.from_mapping(row)
+    reads = conn.execute(_BEGIN_READS, {
+        "sink_id": sink.id, "checkpoint_id": cp.id, "current_attempt": cp.current_attempt,
+    }).mappings().one()
     return CheckpointHead(
-        Checkpoint.from_mapping(_Prefixed(row, "c_")),
-        latest,
-        list(row["open_attempt_ids"] or ()),
-        list(row["unfinished_ids"] or ()),
-        [EndedLease(int(a), LeaseState(s), t) for a, s, t in (row["ended_leases"] or ())],
+        cp,
+        Attempt.from_mapping(_Prefixed(reads, "a_")) if reads["a_id"] is not None else None,
+        list(reads["open_attempt_ids"] or ()),
+        list(reads["unfinished_ids"] or ()),
+        [EndedLease(int(a), LeaseState(s), t) for a, s, t in (reads["ended_leases"] or ())],
     )
 
 

@@ -27,7 +27,7 @@ from coordinator.protocol.rules import BeginAction
 from coordinator.protocol.states import CheckpointState, LeaseState, TransactionalIdState
 from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.store import hot_path
-from coordinator.store.tables import leases, transactional_ids
+from coordinator.store.tables import transactional_ids
 from servers import ServiceProcess
 from sim.kafka_model import KafkaModel, ModelControlPlane
 from sparkclient.client import CoordinatorClient

@@ -11,7 +11,6 @@ from dataclasses import asdict, replace
 from datetime import datetime
 
 from sqlalchemy import Connection, func, insert, select, text, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import IntegrityError
 
 from .. import metrics

@@ -26,8 +26,8 @@ from coordinator.protocol.model import FIRST_TRY_TASK_ATTEMPT, PartitionResult, 
 from coordinator.protocol.rules import BeginAction
 from coordinator.protocol.states import CheckpointState, LeaseState, TransactionalIdState
 from coordinator.service import Coordinator, Limits, SinkSpec
-from coordinator.store import repo
-from coordinator.store.tables import leases, transactional_ids
+from coordinator.store import hot_path
+from coordinator.store.tables import transactional_ids
 from fixtures.servers import ServiceProcess
 from sim.kafka_model import KafkaModel, ModelControlPlane
 from sparkclient.client import CoordinatorClient
@@ -128,17 +128,16 @@ def test_commit_stores_the_records_with_the_decision_in_one_transaction(
     gen = start(c)
     first = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=2).pre_leases
     results = [PartitionResult(x.partition, x.id, record(x.id)) for x in first]
-    original = repo.add_event
+    original = hot_path.decide
 
-    def crash_at_decision(conn: Any, sink_id: int, kind: str, *args: Any, **kw: Any) -> None:
-        if kind == "commit_decided":
-            raise RuntimeError("the coordinator died before the decision's transaction committed")
-        original(conn, sink_id, kind, *args, **kw)
+    def crash_at_decision(conn: Any, **kw: Any) -> Any:
+        original(conn, **kw)  # the decision statement ran (records, states, event) ...
+        raise RuntimeError("the coordinator died before the decision's transaction committed")
 
-    monkeypatch.setattr(repo, "add_event", crash_at_decision)
+    monkeypatch.setattr(hot_path, "decide", crash_at_decision)
     with pytest.raises(RuntimeError):
         c.commit(NAME, 0, 1, gen, results, ACTOR)
-    monkeypatch.setattr(repo, "add_event", original)
+    monkeypatch.setattr(hot_path, "decide", original)
     # nothing of it stuck: no record without its decision, no decision without its records
     snap = c.snapshot()
     assert {x.state for x in snap.leases} == {LeaseState.LEASED}

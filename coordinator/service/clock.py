@@ -74,3 +74,11 @@ class ManualClock:
 
 def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def now_from(clock: Clock, conn: Connection, read: datetime | None) -> datetime:
+    """`clock.now_in(conn)`, without a round trip of its own when the clock is the database's and
+    a statement of the same transaction already returned `clock_timestamp()` (`read`)."""
+    if read is not None and isinstance(clock, (DatabaseClock, SystemClock)):
+        return _aware(read)
+    return clock.now_in(conn)

@@ -10,11 +10,11 @@ recovery_operations.py."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 from dataclasses import asdict, replace
 from datetime import datetime
 
 from sqlalchemy import Connection, func, insert, select, text, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import IntegrityError
 
 from ..kafka.control_plane import KafkaTarget
@@ -23,7 +23,9 @@ from ..protocol import rules
 from ..protocol.model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PartitionResult, Sink
 from ..protocol.rules import BeginAction, PrecommitRequest
 from ..protocol.states import LOST_LEASE_STATES, UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
-from ..store import repo
+from .clock import now_from
+from ..store import hot_path, repo
+from ..store.hot_path import NewAttempt
 from ..store.tables import attempts, checkpoints, generations, leases, sinks
 from . import metrics
 from .base import log
@@ -210,27 +212,24 @@ class ProtocolOperations(Reads):
             rules.check_partition(partitions - 1, self.limits.max_partitions)
         mismatch: list[e.Conflict] = []
 
-        def step(conn: Connection) -> tuple[BeginAction, Checkpoint, Attempt | None, list[Lease], list[int], list[Lease]]:
+        fresh: list[tuple[NewAttempt, Sink]] = []  # a new attempt's row and pre-leases, as its own statement wrote them
+
+        def step(conn: Connection) -> tuple[BeginAction, Checkpoint, Attempt | None, list[Lease], list[int], list[Any]]:
             mismatch.clear()
-            sink = repo.sink_by_name(conn, name)
+            fresh.clear()
+            found = hot_path.sink_and_now(conn, name)
+            if found is None or found[0].retired_at is not None:
+                repo.sink_by_name(conn, name)  # raises the error that says which
+                raise AssertionError("unreachable")
+            sink, db_now = found
             rules.check_generation(sink.generation, generation)
             rules.check_not_halted(sink)  # lost data: no new batch until an operator acknowledges
             if sink.lineage_query_id is None:  # only after a lineage reset, before a new start
                 raise e.Conflict(e.LINEAGE_NOT_BOUND, "no query is bound to this sink; start a generation first")
-            now = self.clock.now_in(conn)
-            conn.execute(
-                pg_insert(checkpoints)
-                .values(
-                    sink_id=sink.id,
-                    query_id=sink.lineage_query_id,
-                    batch_id=batch_id,
-                    state=CheckpointState.OPEN.value,
-                    current_attempt=0,
-                    created_at=now,
-                )
-                .on_conflict_do_nothing()
-            )
-            cp = repo.checkpoint_for(conn, sink, batch_id, lock=True)
+            now = now_from(self.clock, conn, db_now)
+            # the checkpoint (created if new, locked) and what the rest of this step reads
+            head = hot_path.upsert_checkpoint(conn, sink, batch_id, now, offsets_digest)
+            cp, latest = head.checkpoint, head.latest
             try:
                 rules.check_offsets(cp.offsets_digest, offsets_digest, batch_id)
             except e.Conflict as refusal:  # recorded (this transaction commits), then raised
@@ -238,45 +237,31 @@ class ProtocolOperations(Reads):
                 repo.add_event(conn, sink.id, "offsets_mismatch", actor, now, cp.id, batch_id=batch_id,
                                state=str(cp.state), bound_digest=cp.offsets_digest, given_digest=offsets_digest)
                 return BeginAction.SKIP, cp, None, [], [], []
-            if cp.offsets_digest is None and offsets_digest is not None:
-                conn.execute(update(checkpoints).where(checkpoints.c.id == cp.id).values(offsets_digest=offsets_digest))
-                cp = replace(cp, offsets_digest=offsets_digest)
-            latest = repo.attempt_of(conn, cp.id, cp.current_attempt) if cp.current_attempt else None
             action = rules.decide_begin(cp.state, latest, generation)
             to_abort: list[Lease] = []
             if action is BeginAction.NEW_ATTEMPT:
                 # one micro-batch in flight per query: every other open attempt of the sink is dead
-                to_abort = self._abort_open_attempts(conn, sink, "superseded", now)
+                if head.open_attempt_ids:
+                    to_abort = self._abort_open_attempts(conn, sink, "superseded", now)
                 number = cp.current_attempt + 1
-                latest = repo.as_attempt(
-                    conn.execute(
-                        insert(attempts)
-                        .values(
-                            checkpoint_id=cp.id,
-                            sink_id=sink.id,
-                            number=number,
-                            generation=generation,
-                            state=AttemptState.OPEN.value,
-                            partitions=partitions,
-                            started_at=now,
-                        )
-                        .returning(*attempts.c)
-                    ).one()
+                taken = repo.take_free_transactional_ids(
+                    conn, sink, partitions, now, lambda n: rules.transactional_id_for(sink.transactional_id_prefix, n)
+                ) if partitions else []
+                made = hot_path.insert_attempt_with_leases(
+                    conn, sink=sink, checkpoint_id=cp.id, number=number, generation=generation, partitions=partitions,
+                    now=now, actor=actor, task_attempt_id=FIRST_TRY_TASK_ATTEMPT, taken=taken,
+                    deadline_at=rules.transaction_deadline(now, sink.transaction_timeout_ms),
+                    event_detail=dict(batch_id=batch_id, attempt=number, generation=generation, partitions=partitions),
                 )
-                conn.execute(update(checkpoints).where(checkpoints.c.id == cp.id).values(current_attempt=number))
+                fresh.append((made, sink))
+                latest = made.attempt
                 cp = replace(cp, current_attempt=number)
-                repo.add_event(conn, sink.id, "attempt_begun", actor, now, cp.id, batch_id=batch_id, attempt=number,
-                               generation=generation, partitions=partitions)
-                if partitions:
-                    self._pre_lease(conn, sink, cp, latest, partitions, now)
-            unfinished = conn.execute(
-                select(checkpoints.c.id).where(
-                    checkpoints.c.sink_id == sink.id,
-                    checkpoints.c.state == CheckpointState.COMMITTING.value,
-                    checkpoints.c.id != cp.id,
-                )
-            ).scalars().all()
-            return action, cp, latest, to_abort, list(unfinished), self._older_leases(conn, cp.id, latest)
+            if head.open_attempt_ids:  # leases of earlier attempts may have changed since they were read
+                older: list[Any] = self._older_leases(conn, cp.id, latest)
+            else:
+                current = latest.id if latest else -1
+                older = [x for x in head.ended_leases if x.attempt_id != current]
+            return action, cp, latest, to_abort, head.unfinished_ids, older
 
         action, cp, attempt, to_abort, unfinished, older = self._tx(step)
         if mismatch:
@@ -306,16 +291,22 @@ class ProtocolOperations(Reads):
                 older = self._older_leases(conn, cp.id, attempt)
         pre_leases: list[Lease] = []
         answered_at = lease_rules = None
-        if attempt is not None and action in (BeginAction.NEW_ATTEMPT, BeginAction.CONTINUE):
+        answer_sink: Sink | None = None
+        if fresh and not kafka_work:  # nothing changed what this step wrote: answer with it
+            made, answer_sink = fresh[0]
+            pre_leases = made.leases
+            answered_at = now_from(self.clock, None, made.answered_at) if pre_leases else None  # type: ignore[arg-type]
+        elif attempt is not None and action in (BeginAction.NEW_ATTEMPT, BeginAction.CONTINUE):
             with self.engine.connect() as conn:  # answered from the record: a retry gets the same leases
                 pre_leases = repo.leases_where(
                     conn, leases.c.attempt_id == attempt.id, leases.c.task_attempt_id == FIRST_TRY_TASK_ATTEMPT,
                     leases.c.state == LeaseState.LEASED.value,
                 )
                 answered_at = self.clock.now_in(conn) if pre_leases else None
-                sink = repo.sink_by_name(conn, name)
+                answer_sink = repo.sink_by_name(conn, name)
+        if answer_sink is not None:
             lease_rules = dict(
-                commit_margin_ms=sink.commit_margin_ms,
+                commit_margin_ms=answer_sink.commit_margin_ms,
                 max_lease_init_age_ms=self.limits.lease_max_init_age_ms,
                 producer_init_timeout_ms=self.limits.producer_init_timeout_ms,
                 producer_request_timeout_ms=self.limits.producer_request_timeout_ms,
@@ -330,19 +321,6 @@ class ProtocolOperations(Reads):
             answered_at=answered_at,
             lease_rules=lease_rules,
         )
-
-    def _pre_lease(self, conn: Connection, sink: Sink, cp: Checkpoint, attempt: Attempt, partitions: int,
-                   now: datetime) -> None:
-        """One lease per partition for its first task try, in the attempt's own transaction."""
-        taken = repo.take_free_transactional_ids(
-            conn, sink, partitions, now, lambda n: rules.transactional_id_for(sink.transactional_id_prefix, n)
-        )
-        by_partition = repo.insert_first_try_leases(
-            conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, task_attempt_id=FIRST_TRY_TASK_ATTEMPT,
-            transactional_ids_by_partition=[tid for _, tid in taken], leased_at=now,
-            deadline_at=rules.transaction_deadline(now, sink.transaction_timeout_ms),
-        )
-        repo.hand_out_transactional_ids(conn, [(row_id, by_partition[p]) for p, (row_id, _) in enumerate(taken)])
 
     @staticmethod
     def _older_leases(conn: Connection, checkpoint_id: int, current: Attempt | None) -> list[Lease]:
@@ -359,7 +337,8 @@ class ProtocolOperations(Reads):
         other open attempt is dead once a new one begins or a new generation starts)."""
         open_ids = conn.execute(
             select(attempts.c.id)
-            .where(attempts.c.sink_id == sink.id, attempts.c.state == AttemptState.OPEN.value)
+            .where(attempts.c.sink_id == sink.id, attempts.c.state == AttemptState.OPEN.value,
+                   attempts.c.finished_at.is_(None))  # finished_at: the partial index ix_attempts_open
             .order_by(attempts.c.id)
             .with_for_update()
         ).scalars().all()
@@ -511,10 +490,15 @@ class ProtocolOperations(Reads):
             )
 
         def step(conn: Connection) -> tuple[int, _Decision | None, list[Lease], e.ProtocolError | None]:
-            sink = repo.sink_by_name(conn, name, lock="share")
-            rules.check_generation(sink.generation, generation)
-            cp = repo.checkpoint_for(conn, sink, batch_id, lock=True)
-            attempt = repo.attempt_of(conn, cp.id, attempt_number, lock="update")
+            head = hot_path.commit_head(conn, name, batch_id, attempt_number)  # all three locked, one round trip
+            if head is None:  # one of them is missing (or the sink retired): read them one by one for the error
+                sink = repo.sink_by_name(conn, name, lock="share")
+                rules.check_generation(sink.generation, generation)
+                cp = repo.checkpoint_for(conn, sink, batch_id, lock=True)
+                attempt = repo.attempt_of(conn, cp.id, attempt_number, lock="update")
+            else:
+                sink, cp, attempt = head
+                rules.check_generation(sink.generation, generation)
             if cp.state is not CheckpointState.OPEN:
                 if cp.committed_attempt != attempt_number:
                     raise e.Conflict(
@@ -534,8 +518,8 @@ class ProtocolOperations(Reads):
             if attempt.state is AttemptState.ABORTED and attempt.abort_reason == e.DEADLINE_TOO_CLOSE:
                 raise e.Conflict(e.DEADLINE_TOO_CLOSE, f"attempt {attempt_number} was aborted by the timeout gate")
             rules.check_attempt_writable(attempt, cp.current_attempt, generation)
-            attempt_leases = repo.leases_where(conn, leases.c.attempt_id == attempt.id, lock=True)
-            now = self.clock.now_in(conn)
+            attempt_leases, db_now = hot_path.lock_attempt_leases(conn, attempt.id)  # the clock read after the locks
+            now = now_from(self.clock, conn, db_now)
             try:
                 plan = rules.plan_commit(attempt_leases, results, self.limits.max_partitions)
             except e.Conflict as refusal:
@@ -552,16 +536,19 @@ class ProtocolOperations(Reads):
                 to_abort = self._abort_attempt_rows(conn, sink, [attempt.id], e.DEADLINE_TOO_CLOSE, now, actor)
                 repo.add_event(conn, sink.id, "commit_refused", actor, now, cp.id, attempt=attempt_number, **refusal.to_dict())
                 return cp.id, None, to_abort, refusal
-            (cp_row,) = repo.cas(conn, checkpoints, [cp.id], [CheckpointState.OPEN], CheckpointState.COMMITTING,
-                                 decided_at=now, committed_attempt=attempt_number)
-            (attempt_row,) = repo.cas(conn, attempts, [attempt.id], [AttemptState.OPEN], AttemptState.COMMITTING,
-                                      decided_at=now, partitions=len(results), job_ms=job_ms)
-            # the records that came with the commit are stored with the decision (one transaction)
+            # the decision, the records that came with the commit and the audit event in one statement
             recorded = {lease.id for lease, _ in plan.records}
-            winners = repo.decide_winners_with_records(conn, [(lease.id, r) for lease, r in plan.records], now)
-            winners += repo.cas(conn, leases, [w.id for w in plan.winners if w.id not in recorded],
-                                [LeaseState.PRECOMMITTED], LeaseState.COMMITTING)
-            winners.sort(key=lambda r: r.id)
+            decided_cp, decided_attempt, winners = hot_path.decide(
+                conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, number=attempt_number,
+                partitions=len(results), job_ms=job_ms, records=[(lease.id, r) for lease, r in plan.records],
+                now=now, actor=actor,
+                event_detail=dict(batch_id=batch_id, attempt=attempt_number,
+                                  winners=[[w.partition, w.id, w.transactional_id] for w in plan.winners]),
+            )
+            winners += [repo.as_lease(r) for r in repo.cas(
+                conn, leases, [w.id for w in plan.winners if w.id not in recorded], [LeaseState.PRECOMMITTED],
+                LeaseState.COMMITTING)]
+            winners.sort(key=lambda x: x.id)
             if len(winners) != len(plan.winners):
                 raise AssertionError("a winner changed state under the decision's locks")
             losers = repo.cas(conn, leases, [x.id for x in plan.losers], UNDECIDED_LEASE_STATES, LeaseState.ABORTING)
@@ -569,13 +556,7 @@ class ProtocolOperations(Reads):
             unused = repo.cas(conn, leases, [x.id for x in plan.unused], [LeaseState.LEASED], LeaseState.ABORTED,
                               resolved_at=now)
             repo.release_transactional_ids(conn, [r.id for r in unused], now)
-            repo.add_event(
-                conn, sink.id, "commit_decided", actor, now, cp.id, batch_id=batch_id, attempt=attempt_number,
-                winners=[[w.partition, w.id, w.transactional_id] for w in plan.winners],
-            )
-            decision = _Decision(
-                sink, repo.as_checkpoint(cp_row), repo.as_attempt(attempt_row), [repo.as_lease(r) for r in winners]
-            )
+            decision = _Decision(sink, decided_cp, decided_attempt, winners)
             return cp.id, decision, [repo.as_lease(r) for r in losers], None
 
         checkpoint_id, decision, to_abort, refusal = self._tx(step)

@@ -79,7 +79,8 @@ class RecoveryOperations(Reads):
         def step(conn: Connection) -> list[Lease]:
             sink = repo.sink_by_name(conn, name)
             open_attempts = select(attempts.c.id).where(
-                attempts.c.sink_id == sink.id, attempts.c.state == AttemptState.OPEN.value
+                attempts.c.sink_id == sink.id, attempts.c.state == AttemptState.OPEN.value,
+                attempts.c.finished_at.is_(None),  # the partial index ix_attempts_open
             )
             candidates = repo.leases_where(
                 conn,

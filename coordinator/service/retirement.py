@@ -31,7 +31,8 @@ class RetirementOperations(CoordinatorBase):
 
             blockers = rules.retirement_blockers(
                 open_attempts=count(attempts, attempts.c.sink_id == sink.id,
-                                    attempts.c.state == AttemptState.OPEN.value),
+                                    attempts.c.state == AttemptState.OPEN.value,
+                                    attempts.c.finished_at.is_(None)),  # the partial index ix_attempts_open
                 committing_checkpoints=count(checkpoints, checkpoints.c.sink_id == sink.id,
                                              checkpoints.c.state == CheckpointState.COMMITTING.value),
                 unresolved_leases=count(leases, leases.c.sink_id == sink.id,

@@ -7,8 +7,6 @@ machine and updates only rows still in the expected old state.
 
 from __future__ import annotations
 
-import json
-
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from enum import StrEnum
@@ -37,7 +35,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from ..protocol import errors as e
 from ..protocol.invariants import Snapshot
 from ..protocol.model import Alert, Attempt, Checkpoint, Lease, Sink, TransactionalId
-from ..protocol.states import LeaseState, TransactionalIdState, require_transition
+from ..protocol.states import TransactionalIdState, require_transition
 from .tables import attempts, checkpoints, events, leases, sinks, transactional_ids
 
 
@@ -344,31 +342,6 @@ def hand_out_transactional_ids(conn: Connection, pairs: Sequence[tuple[int, int]
     conn.execute(_HAND_OUT_IDS, {"tid_rows": [p[0] for p in pairs], "lease_ids": [p[1] for p in pairs]})
 
 
-def insert_first_try_leases(
-    conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, task_attempt_id: int,
-    transactional_ids_by_partition: Sequence[str], leased_at: datetime, deadline_at: datetime,
-) -> dict[int, int]:
-    """One LEASED lease per partition 0..P-1 (the i-th id to partition i), in one statement whose
-    text does not depend on P; returns partition -> lease id."""
-    tids = list(transactional_ids_by_partition)
-    rows = conn.execute(_INSERT_FIRST_TRY_LEASES, {
-        "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id,
-        "task_attempt_id": task_attempt_id, "partitions": list(range(len(tids))), "tids": tids,
-        "leased_at": leased_at, "deadline_at": deadline_at,
-    }).all()
-    return {r.partition: r.id for r in rows}
-
-
-_INSERT_FIRST_TRY_LEASES = text(
-    "INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, state, "
-    "leased_at, deadline_at) "
-    "SELECT :sink_id, :checkpoint_id, :attempt_id, v.partition, :task_attempt_id, v.tid, 'LEASED', "
-    "CAST(:leased_at AS timestamptz), CAST(:deadline_at AS timestamptz) "
-    "FROM unnest(CAST(:partitions AS int[]), CAST(:tids AS text[])) AS v(partition, tid) ORDER BY v.partition "
-    "RETURNING id, partition"
-)
-
-
 _HAND_OUT_IDS = text(
     "UPDATE transactional_ids AS t SET state = 'LEASED', lease_id = v.lease_id "
     "FROM unnest(CAST(:tid_rows AS bigint[]), CAST(:lease_ids AS bigint[])) AS v(id, lease_id) "
@@ -389,49 +362,14 @@ def release_transactional_ids(
     )
 
 
-_RELEASE_IDS = (
-    update(transactional_ids)
-    .where(
-        transactional_ids.c.lease_id == _id_array("released_lease_ids"),
-        transactional_ids.c.state == TransactionalIdState.LEASED.value,
-    )
-    .values(
-        state=TransactionalIdState.FREE.value,
-        lease_id=None,
-        released_at=bindparam("released_at"),
-        reusable_at=bindparam("reusable_at", type_=transactional_ids.c.reusable_at.type),
-    )
+# a resolved lease's id, found by its unique transactional_id (lease_id is not indexed: leasing
+# an id stays a HOT update), and only while that lease still holds it
+_RELEASE_IDS = text(
+    "UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = :released_at, "
+    "reusable_at = CAST(:reusable_at AS timestamptz) "
+    "FROM leases AS l WHERE l.id = ANY(CAST(:released_lease_ids AS bigint[])) "
+    "AND t.transactional_id = l.transactional_id AND t.lease_id = l.id AND t.state = 'LEASED'"
 )
-
-
-def decide_winners_with_records(conn: Connection, records: Sequence[tuple[int, Any]], now: datetime) -> list[Row]:
-    """Winners whose pre-commit records came with the commit: LEASED -> COMMITTING with producer id,
-    epoch, counts and first offsets stored, in one statement (the caller's decision transaction)."""
-    if not records:
-        return []
-    require_transition(LeaseState.LEASED, LeaseState.COMMITTING)
-    rows = conn.execute(_DECIDE_WITH_RECORDS, {
-        "ids": [lid for lid, _ in records],
-        "pids": [r.producer_id for _, r in records],
-        "epochs": [r.producer_epoch for _, r in records],
-        "records": [r.records for _, r in records],
-        "bytes": [r.bytes for _, r in records],
-        "write_ms": [r.write_ms for _, r in records],
-        "first_offsets": [json.dumps(r.first_offsets) if r.first_offsets is not None else None for _, r in records],
-        "now": now,
-    }).all()
-    return _by_id(rows)
-
-
-_DECIDE_WITH_RECORDS = text(
-    "UPDATE leases AS l SET state = 'COMMITTING', producer_id = v.pid, producer_epoch = v.epoch, "
-    "records = v.records, bytes = v.bytes, write_ms = v.write_ms, first_offsets = CAST(v.first_offsets AS jsonb), "
-    "precommitted_at = :now "
-    "FROM unnest(CAST(:ids AS bigint[]), CAST(:pids AS bigint[]), CAST(:epochs AS int[]), CAST(:records AS bigint[]), "
-    "CAST(:bytes AS bigint[]), CAST(:write_ms AS bigint[]), CAST(:first_offsets AS text[])) "
-    "AS v(id, pid, epoch, records, bytes, write_ms, first_offsets) "
-    "WHERE l.id = v.id AND l.state = 'LEASED' RETURNING l.*"
-).columns(*leases.c)
 
 
 # --- whole-state snapshot (tests, invariant checks, simulation) ----------------------------------

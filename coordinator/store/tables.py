@@ -109,8 +109,10 @@ attempts = Table(
     Column("job_ms", BigInteger, nullable=True),
     UniqueConstraint("checkpoint_id", "number"),
     _states("OPEN", "COMMITTING", "COMMITTED", "ABORTED", "LOST"),
-    # "every open attempt of this sink" at begin checkpoint and generation start
-    Index("ix_attempts_open", "sink_id", postgresql_where=text("state = 'OPEN'")),
+    # "every open attempt of this sink" at begin checkpoint and generation start: queries add
+    # `finished_at IS NULL` (OPEN or COMMITTING) to `state = 'OPEN'`; no index covers `state`, so
+    # the decision (OPEN -> COMMITTING) is a HOT update (migration 0007; fillfactor 80 there too)
+    Index("ix_attempts_open", "sink_id", postgresql_where=text("finished_at IS NULL")),
 )
 
 transactional_ids = Table(
@@ -129,8 +131,10 @@ transactional_ids = Table(
     Column("reusable_at", TS, nullable=True),
     UniqueConstraint("sink_id", "ordinal"),
     _states("FREE", "LEASED"),
-    # the pool's hot query: least recently released free id, FOR UPDATE SKIP LOCKED
-    Index("ix_transactional_ids_free_lru", "sink_id", "released_at", "ordinal", postgresql_where=text("state = 'FREE'")),
+    # the pool's hot query: least recently released free id, FOR UPDATE SKIP LOCKED (walks the
+    # sink's ids in LRU order, skipping its few LEASED ones). Neither `state` nor `lease_id` is
+    # indexed, so leasing an id is a HOT update (migration 0007).
+    Index("ix_transactional_ids_free_lru", "sink_id", "released_at", "ordinal"),
 )
 
 leases = Table(
@@ -192,12 +196,4 @@ recovery_leader = Table(
     Column("token", BigInteger, nullable=False, server_default=text("0")),
     Column("acquired_at", TS, nullable=True),
     Column("expires_at", TS, nullable=False),
-)
-
-# Freeing a resolved lease's id (every commit and abort) looks it up by lease_id; only LEASED ids
-# have one. Declared here, apart from the table, to keep the pool's definition in one piece.
-Index(
-    "ix_transactional_ids_lease_id",
-    transactional_ids.c.lease_id,
-    postgresql_where=text("lease_id IS NOT NULL"),
 )

@@ -1,0 +1,354 @@
+"""The statements of the protocol's common path (a new attempt at begin, the decision and the
+finish of a commit), each a single round trip that reads or writes several tables at once.
+
+The service keeps the judging: these statements only read what the pure rules need (with the
+locks the step needs, and the database's clock read after those locks) and write what the rules
+decided. Every state change here is one the state machine allows (checked before executing, as
+`repo.cas` does) and is a compare-and-set on the old state; the caller checks the row counts.
+Each statement is a `text()` built once at import, with arrays for the P rows, so its SQL is the
+same for every call and every P (no SQLAlchemy compilation per call, one psycopg prepared plan).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from sqlalchemy import Connection, Table, text
+
+from ..protocol.model import Attempt, Checkpoint, Lease, Sink
+from ..protocol.states import (
+    AttemptState,
+    CheckpointState,
+    LeaseState,
+    TransactionalIdState,
+    require_transition,
+)
+from .tables import attempts, checkpoints, leases, sinks
+
+
+class _Prefixed(Mapping[str, Any]):
+    """The columns of one table in a joined row, whose names carry the table's prefix."""
+
+    def __init__(self, row: Mapping[str, Any], prefix: str) -> None:
+        self._row, self._prefix = row, prefix
+
+    def __getitem__(self, key: str) -> Any:
+        return self._row[self._prefix + key]
+
+    def __iter__(self) -> Any:
+        return (k[len(self._prefix):] for k in self._row if k.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _cols(table: Table, alias: str, prefix: str) -> str:
+    return ", ".join(f"{alias}.{c.name} AS {prefix}{c.name}" for c in table.c)
+
+
+def _names(table: Table) -> str:
+    return ", ".join(c.name for c in table.c)
+
+
+# --- begin --------------------------------------------------------------------------------------
+
+
+_SINK_AND_NOW = text(f"SELECT {_cols(sinks, 's', 's_')}, clock_timestamp() AS db_now FROM sinks AS s WHERE s.name = :name")
+
+
+def sink_and_now(conn: Connection, name: str) -> tuple[Sink, datetime] | None:
+    """The sink and the database's clock, in one round trip (None if there is no such sink)."""
+    row = conn.execute(_SINK_AND_NOW, {"name": name}).mappings().first()
+    if row is None:
+        return None
+    return Sink.from_mapping(_Prefixed(row, "s_")), row["db_now"]
+
+
+# The checkpoint of the batch, created if new, locked either way (ON CONFLICT DO UPDATE locks the
+# existing row as FOR UPDATE would, and returns its latest version after waiting for a lock); the
+# offsets digest is bound at the first begin that names it (COALESCE keeps a bound one, so the
+# caller's check sees the bound digest).
+_UPSERT_CHECKPOINT = text("""
+INSERT INTO checkpoints AS c (sink_id, query_id, batch_id, state, current_attempt, created_at, offsets_digest)
+VALUES (:sink_id, :query_id, :batch_id, 'OPEN', 0, :now, :offsets_digest)
+ON CONFLICT (sink_id, query_id, batch_id)
+DO UPDATE SET offsets_digest = COALESCE(c.offsets_digest, EXCLUDED.offsets_digest)
+RETURNING c.*
+""")
+
+# What the rest of begin reads, unlocked, in a statement of its own (its snapshot is taken after
+# the checkpoint's lock was granted, so it sees what the lock's previous holder committed): the
+# latest attempt, the sink's OPEN attempts (to abort: the caller then locks them), decided
+# commits of other batches still finishing, and the checkpoint's aborted or aborting leases.
+_BEGIN_READS = text(f"""
+SELECT {_cols(attempts, 'a', 'a_')},
+    (SELECT array_agg(o.id ORDER BY o.id) FROM attempts AS o
+     WHERE o.sink_id = :sink_id AND o.state = 'OPEN' AND o.finished_at IS NULL) AS open_attempt_ids,
+    (SELECT array_agg(u.id ORDER BY u.id) FROM checkpoints AS u
+     WHERE u.sink_id = :sink_id AND u.state = 'COMMITTING' AND u.id <> :checkpoint_id) AS unfinished_ids,
+    (SELECT array_agg(ARRAY[l.attempt_id::text, l.state, l.transactional_id] ORDER BY l.id) FROM leases AS l
+     WHERE l.checkpoint_id = :checkpoint_id AND l.state IN ('ABORTED', 'ABORTING')) AS ended_leases
+FROM (SELECT 1) AS one LEFT JOIN attempts AS a ON a.checkpoint_id = :checkpoint_id AND a.number = :current_attempt
+""")
+
+
+class EndedLease(NamedTuple):
+    """An aborted (or aborting) lease as begin's answer names it."""
+
+    attempt_id: int
+    state: LeaseState
+    transactional_id: str
+
+
+class CheckpointHead(NamedTuple):
+    checkpoint: Checkpoint
+    latest: Attempt | None
+    open_attempt_ids: list[int]
+    unfinished_ids: list[int]
+    ended_leases: list[EndedLease]
+
+
+def upsert_checkpoint(
+    conn: Connection, sink: Sink, batch_id: int, now: datetime, offsets_digest: str | None
+) -> CheckpointHead:
+    row = conn.execute(_UPSERT_CHECKPOINT, {
+        "sink_id": sink.id, "query_id": sink.lineage_query_id, "batch_id": batch_id, "now": now,
+        "offsets_digest": offsets_digest,
+    }).mappings().one()
+    cp = Checkpoint.from_mapping(row)
+    reads = conn.execute(_BEGIN_READS, {
+        "sink_id": sink.id, "checkpoint_id": cp.id, "current_attempt": cp.current_attempt,
+    }).mappings().one()
+    return CheckpointHead(
+        cp,
+        Attempt.from_mapping(_Prefixed(reads, "a_")) if reads["a_id"] is not None else None,
+        list(reads["open_attempt_ids"] or ()),
+        list(reads["unfinished_ids"] or ()),
+        [EndedLease(int(a), LeaseState(s), t) for a, s, t in (reads["ended_leases"] or ())],
+    )
+
+
+# A new attempt with its first tries' leases, in one statement: the attempt, the checkpoint's
+# current attempt, the audit event, one LEASED lease per partition (the i-th id to partition i;
+# ids locked by the caller's take_free_transactional_ids) and those ids handed to their leases
+# (found by their unique transactional_id: joining on an unnest() would be a nested loop).
+_NEW_ATTEMPT = text(f"""
+WITH a AS (
+    INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at)
+    VALUES (:checkpoint_id, :sink_id, :number, :generation, 'OPEN', :partitions, :now)
+    RETURNING *
+), c AS (
+    UPDATE checkpoints SET current_attempt = :number WHERE id = :checkpoint_id RETURNING id
+), ev AS (
+    INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
+    VALUES (:sink_id, :checkpoint_id, :now, 'attempt_begun', :actor, CAST(:detail AS jsonb))
+), l AS (
+    INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, state,
+                        leased_at, deadline_at)
+    SELECT :sink_id, :checkpoint_id, a.id, v.partition, :task_attempt_id, v.tid, 'LEASED', :now, :deadline_at
+    FROM a, unnest(CAST(:lease_partitions AS int[]), CAST(:tids AS text[])) AS v(partition, tid)
+    RETURNING *
+), t AS (
+    UPDATE transactional_ids AS t SET state = 'LEASED', lease_id = l.id
+    FROM l WHERE t.transactional_id = l.transactional_id AND t.state = 'FREE'
+)
+SELECT {_cols(attempts, 'a', 'a_')}, {_cols(leases, 'l', 'l_')},
+    (SELECT count(*) FROM c) AS checkpoints_updated,
+    clock_timestamp() AS db_now
+FROM a LEFT JOIN l ON true ORDER BY l.partition
+""")
+
+
+class NewAttempt(NamedTuple):
+    attempt: Attempt
+    leases: list[Lease]
+    answered_at: datetime  # the database's clock once everything was written
+
+
+def insert_attempt_with_leases(
+    conn: Connection, *, sink: Sink, checkpoint_id: int, number: int, generation: int, partitions: int | None,
+    now: datetime, actor: str, event_detail: dict[str, Any], task_attempt_id: int,
+    taken: Sequence[tuple[int, str]], deadline_at: datetime,
+) -> NewAttempt:
+    if taken:
+        require_transition(TransactionalIdState.FREE, TransactionalIdState.LEASED)
+    rows = conn.execute(_NEW_ATTEMPT, {
+        "checkpoint_id": checkpoint_id, "sink_id": sink.id, "number": number, "generation": generation,
+        "partitions": partitions, "now": now, "actor": actor, "detail": json.dumps(event_detail),
+        "task_attempt_id": task_attempt_id, "lease_partitions": list(range(len(taken))),
+        "tids": [tid for _, tid in taken], "deadline_at": deadline_at,
+    }).mappings().all()
+    first = rows[0]
+    if first["checkpoints_updated"] != 1:
+        raise AssertionError("the checkpoint changed under begin's lock")
+    new_leases = [Lease.from_mapping(_Prefixed(r, "l_")) for r in rows if r["l_id"] is not None]
+    return NewAttempt(Attempt.from_mapping(_Prefixed(first, "a_")), new_leases, first["db_now"])
+
+
+# --- commit: the decision -----------------------------------------------------------------------
+
+
+# The sink (FOR SHARE), the checkpoint and the attempt (FOR UPDATE) of a commit, locked in that
+# order (the lock order of repo's docstring: LockRows takes them in the order named here).
+_COMMIT_HEAD = text(f"""
+SELECT {_cols(sinks, 's', 's_')}, {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')}
+FROM sinks AS s
+JOIN checkpoints AS c ON c.sink_id = s.id AND c.query_id = s.lineage_query_id AND c.batch_id = :batch_id
+JOIN attempts AS a ON a.checkpoint_id = c.id AND a.number = :number
+WHERE s.name = :name
+FOR SHARE OF s FOR UPDATE OF c, a
+""")
+
+
+def commit_head(conn: Connection, name: str, batch_id: int, number: int) -> tuple[Sink, Checkpoint, Attempt] | None:
+    """Sink, checkpoint and attempt locked for a commit, or None if one of them is missing (the
+    caller then reads them one by one, for the error that names what is missing)."""
+    row = conn.execute(_COMMIT_HEAD, {"name": name, "batch_id": batch_id, "number": number}).mappings().first()
+    if row is None:
+        return None
+    sink = Sink.from_mapping(_Prefixed(row, "s_"))
+    if sink.retired_at is not None:
+        return None
+    return sink, Checkpoint.from_mapping(_Prefixed(row, "c_")), Attempt.from_mapping(_Prefixed(row, "a_"))
+
+
+# The attempt's leases, locked, and the database's clock read after the locks: the outer SELECT
+# evaluates clock_timestamp() for a row only once the CTE has locked it, so the last row's time
+# is after every lock (the caller takes the latest).
+_LOCK_ATTEMPT_LEASES = text(f"""
+WITH l AS (SELECT * FROM leases WHERE attempt_id = :attempt_id ORDER BY id FOR UPDATE)
+SELECT {_names(leases)}, clock_timestamp() AS db_now FROM l ORDER BY id
+""")
+
+
+def lock_attempt_leases(conn: Connection, attempt_id: int) -> tuple[list[Lease], datetime | None]:
+    rows = conn.execute(_LOCK_ATTEMPT_LEASES, {"attempt_id": attempt_id}).mappings().all()
+    return [Lease.from_mapping(r) for r in rows], max((r["db_now"] for r in rows), default=None)
+
+
+# The decision: checkpoint and attempt OPEN -> COMMITTING, the winners whose pre-commit records
+# came with the commit LEASED -> COMMITTING with the records, and the commit_decided event.
+_DECIDE = text(f"""
+WITH c AS (
+    UPDATE checkpoints SET state = 'COMMITTING', decided_at = :now, committed_attempt = :number
+    WHERE id = :checkpoint_id AND state = 'OPEN' RETURNING *
+), a AS (
+    UPDATE attempts SET state = 'COMMITTING', decided_at = :now, partitions = :partitions, job_ms = :job_ms
+    WHERE id = :attempt_id AND state = 'OPEN' RETURNING *
+), w AS (
+    UPDATE leases AS l SET state = 'COMMITTING', producer_id = v.pid, producer_epoch = v.epoch,
+        records = v.records, bytes = v.bytes, write_ms = v.write_ms, first_offsets = CAST(v.first_offsets AS jsonb),
+        precommitted_at = :now
+    FROM unnest(CAST(:ids AS bigint[]), CAST(:pids AS bigint[]), CAST(:epochs AS int[]), CAST(:records AS bigint[]),
+                CAST(:bytes AS bigint[]), CAST(:write_ms AS bigint[]), CAST(:first_offsets AS text[]))
+        AS v(id, pid, epoch, records, bytes, write_ms, first_offsets)
+    WHERE l.id = v.id AND l.state = 'LEASED'
+    RETURNING l.*
+), ev AS (
+    INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
+    SELECT :sink_id, :checkpoint_id, :now, 'commit_decided', :actor, CAST(:detail AS jsonb) FROM c, a
+)
+SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')}, {_cols(leases, 'w', 'w_')}
+FROM c CROSS JOIN a LEFT JOIN w ON true ORDER BY w.id
+""")
+
+
+def decide(
+    conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, number: int, partitions: int,
+    job_ms: int | None, records: Sequence[tuple[int, Any]], now: datetime, actor: str, event_detail: dict[str, Any],
+) -> tuple[Checkpoint, Attempt, list[Lease]]:
+    """Returns the decided checkpoint and attempt and the record winners now COMMITTING (by id)."""
+    require_transition(CheckpointState.OPEN, CheckpointState.COMMITTING)
+    require_transition(AttemptState.OPEN, AttemptState.COMMITTING)
+    if records:
+        require_transition(LeaseState.LEASED, LeaseState.COMMITTING)
+    rows = conn.execute(_DECIDE, {
+        "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "sink_id": sink_id, "number": number,
+        "partitions": partitions, "job_ms": job_ms, "now": now, "actor": actor, "detail": json.dumps(event_detail),
+        "ids": [lid for lid, _ in records],
+        "pids": [r.producer_id for _, r in records],
+        "epochs": [r.producer_epoch for _, r in records],
+        "records": [r.records for _, r in records],
+        "bytes": [r.bytes for _, r in records],
+        "write_ms": [r.write_ms for _, r in records],
+        "first_offsets": [json.dumps(r.first_offsets) if r.first_offsets is not None else None for _, r in records],
+    }).mappings().all()
+    if not rows:
+        raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
+    winners = [Lease.from_mapping(_Prefixed(r, "w_")) for r in rows if r["w_id"] is not None]
+    return Checkpoint.from_mapping(_Prefixed(rows[0], "c_")), Attempt.from_mapping(_Prefixed(rows[0], "a_")), winners
+
+
+# --- commit: marking it committed after Kafka ---------------------------------------------------
+
+
+_LOCK_CHECKPOINT = text(f"SELECT {_names(checkpoints)}, clock_timestamp() AS db_now FROM checkpoints "
+                        "WHERE id = :checkpoint_id FOR UPDATE")
+
+
+def lock_checkpoint(conn: Connection, checkpoint_id: int) -> tuple[Checkpoint, datetime]:
+    row = conn.execute(_LOCK_CHECKPOINT, {"checkpoint_id": checkpoint_id}).mappings().one()
+    return Checkpoint.from_mapping(row), row["db_now"]
+
+
+# Winners Kafka committed: COMMITTING -> COMMITTED, their ids FREE again at once; answers the
+# checkpoint's leases as they are after this statement (the changed ones as changed).
+_MARK_WINNERS_COMMITTED = text(f"""
+WITH u AS (
+    UPDATE leases SET state = 'COMMITTED', resolved_at = :now
+    WHERE id = ANY(CAST(:done AS bigint[])) AND state = 'COMMITTING' RETURNING *
+), t AS (
+    UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = :now, reusable_at = NULL
+    FROM leases AS d WHERE d.id = ANY(CAST(:done AS bigint[]))
+    AND t.transactional_id = d.transactional_id AND t.lease_id = d.id AND t.state = 'LEASED'
+)
+SELECT {_names(leases)}, true AS changed FROM u
+UNION ALL
+SELECT {_names(leases)}, false AS changed FROM leases
+WHERE checkpoint_id = :checkpoint_id AND id NOT IN (SELECT id FROM u)
+ORDER BY id
+""")
+
+
+def mark_winners_committed(
+    conn: Connection, checkpoint_id: int, done: Sequence[int], now: datetime
+) -> tuple[list[Lease], list[Lease]]:
+    """Returns (the leases this changed, every lease of the checkpoint after the change)."""
+    require_transition(LeaseState.COMMITTING, LeaseState.COMMITTED)
+    require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
+    rows = conn.execute(_MARK_WINNERS_COMMITTED, {"checkpoint_id": checkpoint_id, "done": list(done), "now": now})
+    rows = rows.mappings().all()
+    all_leases = [Lease.from_mapping(r) for r in rows]
+    return [x for x, r in zip(all_leases, rows) if r["changed"]], all_leases
+
+
+_MARK_CHECKPOINT_COMMITTED = text(f"""
+WITH a AS (
+    UPDATE attempts SET state = 'COMMITTED', finished_at = :now WHERE id = :attempt_id AND state = 'COMMITTING'
+    RETURNING *
+), c AS (
+    UPDATE checkpoints SET state = 'COMMITTED', committed_at = :now WHERE id = :checkpoint_id AND state = 'COMMITTING'
+    RETURNING *
+), ev AS (
+    INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
+    SELECT :sink_id, :checkpoint_id, :now, 'checkpoint_committed', 'coordinator', CAST(:detail AS jsonb) FROM a, c
+)
+SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')} FROM a, c
+""")
+
+
+def mark_checkpoint_committed(
+    conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, now: datetime, event_detail: dict[str, Any]
+) -> tuple[Checkpoint, Attempt]:
+    require_transition(AttemptState.COMMITTING, AttemptState.COMMITTED)
+    require_transition(CheckpointState.COMMITTING, CheckpointState.COMMITTED)
+    row = conn.execute(_MARK_CHECKPOINT_COMMITTED, {
+        "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "now": now,
+        "detail": json.dumps(event_detail),
+    }).mappings().first()
+    if row is None:
+        raise AssertionError("the checkpoint or attempt changed state under the checkpoint's lock")
+    return Checkpoint.from_mapping(_Prefixed(row, "c_")), Attempt.from_mapping(_Prefixed(row, "a_"))

@@ -141,3 +141,17 @@ def test_http_overhead_bench_prints_a_line_per_variant() -> None:
     assert set(figures) == {f"http {loop} {route}" for loop in ("uvloop", "asyncio") for route in ("sync", "async")}
     for f in figures.values():
         assert float(f["cpu_us_per_call"]) > 0 and float(f["calls_per_s"]) > 0, f
+
+
+def test_http_overhead_bench_splits_the_real_servers_cpu_by_thread() -> None:
+    out = subprocess.run([sys.executable, str(BENCH / "http_overhead.py"), "--coordinator", "--seconds", "1",
+                          "--clients", "1"],
+                         cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (label, f), = [measure.parse_figure_line(line) for line in out.stdout.splitlines() if line.startswith("http ")]
+    assert label == "http coordinator", label
+    # every call is a begin or a commit the server answered: its loop and its threads both worked
+    assert float(f["loop_cpu_us_per_call"]) > 0 and float(f["threads_cpu_us_per_call"]) > 0, f
+    assert float(f["cpu_us_per_call"]) == pytest.approx(
+        float(f["loop_cpu_us_per_call"]) + float(f["threads_cpu_us_per_call"]), rel=0.01, abs=2)
+    assert float(f["calls_per_s"]) > 0, f

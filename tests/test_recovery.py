@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import Engine, select, text
+from sqlalchemy import Engine, event, select, text
 
 from coordinator.service.clock import ManualClock
 from coordinator.kafka.control_plane import (
@@ -530,6 +530,41 @@ def test_the_thread_finishes_a_decided_commit_and_releases_leadership_on_stop(
     row = loop.lease.current()
     assert row is not None and row["holder"] == "thread" and row["live"] is False
     assert REGISTRY.get_sample_value("coordinator_recovery_leader") == 0
+
+
+def test_idle_sinks_cost_the_loop_one_query_whatever_their_number(engine: Engine, clock: ManualClock) -> None:
+    """Each iteration asks the database once which sinks may have work; an idle sink costs no
+    statement of its own (it cost ~10 in 5 transactions before). A sink whose lease reaches the
+    commit margin exactly is still found and aborted (the idle check is not narrower than the rule)."""
+    c = Coordinator(engine, None, clock=clock, limits=Limits(max_partitions=16))
+    loop = RecoveryLoop(c, interval_ms=50, leader_ttl_ms=10_000)
+    statements: list[str] = []
+
+    def count(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        statements.append(statement)
+
+    try:
+        for i in range(8):
+            start(c, f"idle-{i}", f"idle-{i}-eos")
+        gen = start(c)
+        attempt = begin(c, gen, 0)
+        dead = lease(c, gen, 0, attempt, 0, precommit=False)
+        event.listen(engine, "before_cursor_execute", count)
+        try:
+            idle = loop.run_once()
+            assert len(statements) <= 2, statements  # the leadership renewal and the idle check
+            assert set(idle.sinks) == {NAME, *(f"idle-{i}" for i in range(8))}
+            assert all(r.expired == [] and r.errors == {} for r in idle.sinks.values())
+            # the lease's deadline now exactly the commit margin away: the commit gate refuses it
+            clock.advance(ms=int((dead.deadline_at - clock.now()).total_seconds() * 1000) - MARGIN_MS + 1)
+            r = loop.run_once().sinks[NAME]
+        finally:
+            event.remove(engine, "before_cursor_execute", count)
+        assert r.expired == [dead.transactional_id] and r.errors == {}
+        assert states(c)[dead.id] is LeaseState.ABORTING
+    finally:
+        loop.stop()
+        c.close()
 
 
 def test_no_control_plane_leaves_kafka_work_pending(engine: Engine, clock: ManualClock) -> None:

@@ -132,6 +132,9 @@ def serve(args: argparse.Namespace) -> int:
         # the client's delayed ACK (tests/test_serve_keepalive.py)
         loop="uvloop",
         http="httptools",
+        # a line per request at info costs each call; requests are counted and timed in /metrics
+        # (coordinator_http_request_duration_seconds), so the access log comes only with debug
+        access_log=settings.log_level == "debug",
     )
     return 0
 

@@ -5,8 +5,8 @@ broker for lingering transactions and warns before pre-committed transactions ti
 Leadership is a lease row with a fencing token (`recovery_leader`): one UPDATE takes the row when
 its lease has expired, or renews it for its holder, comparing with the *database's* clock
 (`now()`), so the replicas' clocks do not matter. The token grows whenever the holder changes;
-the leader renews before every sink and stops its iteration as soon as it no longer holds the
-lease. Exclusivity is about not doing the work N times (and not raising every alert N times):
+the leader renews before every sink it has work for and stops its iteration as soon as it no
+longer holds the lease. Exclusivity is about not doing the work N times (and not raising every alert N times):
 correctness does not depend on it, because every change the loop makes is a compare-and-set,
 safe against the API doing the same work concurrently (a driver's resume, another replica).
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, and_, exists, literal, or_, select, text
+from sqlalchemy import Engine, exists, literal, or_, select, text
 
 from ..kafka.control_plane import ControlPlaneError
 from ..protocol import recovery_rules

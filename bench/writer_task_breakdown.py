@@ -2,8 +2,9 @@
 """Where one exactly-once task's time goes, step by step (no Spark: the executor's
 `write_partition` run in one process, as a reused Python worker runs its tasks one after another).
 
-Per batch: `begin` (driver), then --partitions tasks of --records records each, then `commit`
-(driver; the coordinator commits every winner by EndTxn). Each step is timed by wrapping the
+Per batch: `begin` (driver; it pre-leases every partition's first try), then --partitions tasks
+of --records records each (first tries: no coordinator call), then `commit` (driver; it carries
+every task's pre-commit record, and the coordinator commits every winner by EndTxn). Each step is timed by wrapping the
 functions the executor calls; `rest` is what the steps do not cover (mostly releasing the
 producer: destroying librdkafka's instance and joining its threads). Prints the median per step over
 all measured tasks (the first batch is a warm-up and not counted).
@@ -34,7 +35,7 @@ from sparkclient import CoordinatorClient, executor  # noqa: E402
 from sparkclient.options import PRODUCER_DEFAULTS  # noqa: E402
 
 STEPS = ("client", "lease", "producer", "init_transactions", "begin_transaction", "produce", "flush",
-         "producer_id_epoch", "precommit", "rest")
+         "producer_id_epoch", "rest")  # `lease`: a coordinator call only a retried try makes (0 here)
 times: dict[str, list[float]] = defaultdict(list)
 current: dict[str, float] = {}
 
@@ -69,8 +70,7 @@ def instrument() -> None:
     confluent_kafka.Producer = TimedProducer  # the executor imports it at call time
     executor._produce_rows = timed("produce", executor._produce_rows)
     executor._producer_id_and_epoch = timed("producer_id_epoch", executor._producer_id_and_epoch)
-    for name in ("lease", "precommit"):
-        setattr(CoordinatorClient, name, timed(name, getattr(CoordinatorClient, name)))
+    CoordinatorClient.lease = timed("lease", CoordinatorClient.lease)  # type: ignore[method-assign]
     spec_client = executor.TaskSpec.client
     executor.TaskSpec.client = timed("client", spec_client)  # type: ignore[method-assign]
 
@@ -104,11 +104,15 @@ def main() -> int:
             generation = driver.start_generation("breakdown-query", "run-1")["generation"]
             for batch in range(args.batches):
                 started = time.perf_counter()
-                attempt = driver.begin(batch, generation)["attempt"]
+                answer = driver.begin(batch, generation, partitions=args.partitions)
                 begun = time.perf_counter()
+                attempt = answer["attempt"]
                 spec = executor.TaskSpec(url, token, "breakdown", 30_000, 120_000, batch, attempt, generation,
-                                         bootstrap, dict(producer_config), topic, ("key", "value"), False)
-                winners = {}
+                                         bootstrap, dict(producer_config), topic, ("key", "value"), False,
+                                         pre_leases={x["partition"]: x for x in answer["pre_leases"]},
+                                         leases_received_at=time.time(), commit_margin_ms=answer["commit_margin_ms"],
+                                         max_lease_init_age_ms=answer["max_lease_init_age_ms"])
+                winners, records = {}, {}
                 for partition in range(args.partitions):
                     current.clear()
                     task_started = time.perf_counter()
@@ -116,13 +120,14 @@ def main() -> int:
                     (result,) = list(executor.write_partition(spec, partition, rows))
                     total = time.perf_counter() - task_started
                     winners[partition] = result.lease_id
+                    records[partition] = result.precommit_record()
                     if batch > 0:
                         for name in STEPS[:-1]:
                             times[name].append(current.get(name, 0.0))
                         times["rest"].append(total - sum(current.values()))
                         times["task"].append(total)
                 committing = time.perf_counter()
-                driver.commit(batch, attempt, generation, winners)
+                driver.commit(batch, attempt, generation, winners, records=records)
                 if batch > 0:
                     driver_steps["begin"].append(begun - started)
                     driver_steps["commit"].append(time.perf_counter() - committing)

@@ -155,3 +155,24 @@ def test_http_overhead_bench_splits_the_real_servers_cpu_by_thread() -> None:
     assert float(f["cpu_us_per_call"]) == pytest.approx(
         float(f["loop_cpu_us_per_call"]) + float(f["threads_cpu_us_per_call"]), rel=0.01, abs=2)
     assert float(f["calls_per_s"]) > 0, f
+
+
+@pytest.mark.real_kafka
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_writer_task_breakdown_runs_the_two_call_protocol_on_a_real_broker() -> None:
+    """A tiny run of bench/writer_task_breakdown.py (its own Kafka and coordinator): a median per
+    step; first tries write on their pre-leases, so no task makes a coordinator call, and every
+    batch commits with the tasks' pre-commit records (the bench exits non-zero otherwise)."""
+    cmd = [sys.executable, str(BENCH / "writer_task_breakdown.py"), "--batches", "2", "--partitions", "2",
+           "--records", "200"]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=380)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    medians = {}
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[-1].replace(".", "", 1).isdigit() and parts[-2].replace(".", "", 1).isdigit():
+            medians[" ".join(parts[:-2])] = float(parts[-2])
+    assert medians["lease"] == 0.0  # no coordinator call from a first try
+    assert medians["init_transactions"] > 0 and medians["task"] > 0
+    assert medians["begin (per batch)"] > 0 and medians["commit (per batch)"] > 0

@@ -176,3 +176,14 @@ def test_writer_task_breakdown_runs_the_two_call_protocol_on_a_real_broker() -> 
     assert medians["lease"] == 0.0  # no coordinator call from a first try
     assert medians["init_transactions"] > 0 and medians["task"] > 0
     assert medians["begin (per batch)"] > 0 and medians["commit (per batch)"] > 0
+
+
+@pytest.mark.real_kafka
+@pytest.mark.timeout(300)
+def test_end_txn_bench_commits_in_parallel_and_checks_what_read_committed_sees() -> None:
+    cmd = [sys.executable, str(BENCH / "end_txn_bench.py"), "--sizes", "2", "4", "--in-flight", "1", "--rounds", "1"]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "read_committed sees 6 records of 6 committed transactions (ok)" in out.stdout, out.stdout
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["2"], ["4"])}
+    assert set(rows) == {"2", "4"} and all(r[2] == "ms" and int(r[1]) >= 0 for r in rows.values()), out.stdout

@@ -54,6 +54,16 @@ BASE_CONFIG: dict[str, Any] = {
 }
 
 
+
+def new_cluster_id() -> str:
+    """A random cluster id as Kafka's own Uuid.randomUuid makes it: URL-safe base64 of 16 random
+    bytes, never starting with "-" (the storage tool's argument parser would take it for a flag,
+    1 run in 64)."""
+    while True:
+        candidate = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not candidate.startswith("-") and uuid.UUID(bytes=base64.urlsafe_b64decode(candidate + "==")).int:
+            return candidate
+
 class LocalKafkaError(RuntimeError):
     """A node did not start, or the directory holds another cluster; the message says why."""
 
@@ -231,7 +241,7 @@ class LocalKafka:
         self.min_isr = 2 if nodes >= 3 else 1
         self.jvm_options = [f"-Xms128m", f"-Xmx{heap}", "-XX:+UseSerialGC", "-Djava.awt.headless=true",
                             "-Dorg.slf4j.simpleLogger.showDateTime=true"]
-        self.cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        self.cluster_id = new_cluster_id()
         self.classpath: list[str] = []
         self.nodes = [
             KafkaNode(self, i + 1, (ports[i] if ports else free_port()), free_port(),
@@ -289,7 +299,7 @@ class LocalKafka:
 
     def _format(self, node: KafkaNode) -> None:
         cmd = ["java", "-Xmx256m", "-cp", os.pathsep.join(self.classpath), "kafka.tools.StorageTool", "format",
-               "-t", self.cluster_id, "-c", str(node.directory / "server.properties"),
+               f"--cluster-id={self.cluster_id}", "-c", str(node.directory / "server.properties"),
                "--feature", f"transaction.version={self.transaction_version}"]
         for user, password in sorted(self.scram_users.items()):
             cmd += ["--add-scram", f"SCRAM-SHA-256=[name={user},password={password}]"]

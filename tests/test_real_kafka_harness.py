@@ -76,3 +76,19 @@ def test_a_second_start_in_a_running_directory_is_refused(real_kafka: RealKafka)
 
     with pytest.raises(LocalKafkaError, match="already holds a running cluster"):
         LocalKafka(real_kafka.cluster.directory).start()
+
+
+def test_a_cluster_id_never_starts_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI failed once when the random cluster id began with "-": kafka-storage took it for a flag.
+    Ids are drawn as Kafka draws them, and a dash-led draw is thrown away."""
+    import uuid
+
+    from localkafka import cluster
+
+    dash_led = uuid.UUID(bytes=b"\xf8" + bytes(15))  # base64 of 0xf8… starts with "-"
+    plain = uuid.UUID(bytes=b"\x10" * 16)
+    draws = iter([dash_led, plain])
+    monkeypatch.setattr(cluster.uuid, "uuid4", lambda: next(draws))
+    assert cluster.new_cluster_id() == "EBAQEBAQEBAQEBAQEBAQEA"
+    monkeypatch.undo()
+    assert not any(cluster.new_cluster_id().startswith("-") for _ in range(2000))

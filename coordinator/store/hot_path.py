@@ -5,8 +5,9 @@ The service keeps the judging: these statements only read what the pure rules ne
 locks the step needs, and the database's clock read after those locks) and write what the rules
 decided. Every state change here is one the state machine allows (checked before executing, as
 `repo.cas` does) and is a compare-and-set on the old state; the caller checks the row counts.
-Each statement is a `text()` built once at import, with arrays for the P rows, so its SQL is the
-same for every call and every P (no SQLAlchemy compilation per call, one psycopg prepared plan).
+Each statement is built once at import, with arrays for the P rows, so its SQL is the same for
+every call and every P, and runs prepared on the driver's connection (`driver_sql`: no SQLAlchemy
+compilation or result metadata per call, one psycopg prepared plan).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Table, text
+from sqlalchemy import Connection, Table
 
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
 from ..protocol.states import (
@@ -26,6 +27,7 @@ from ..protocol.states import (
     TransactionalIdState,
     require_transition,
 )
+from .driver_sql import DriverStatement
 from .tables import attempts, checkpoints, leases, sinks
 
 
@@ -56,12 +58,12 @@ def _names(table: Table) -> str:
 # --- begin --------------------------------------------------------------------------------------
 
 
-_SINK_AND_NOW = text(f"SELECT {_cols(sinks, 's', 's_')}, clock_timestamp() AS db_now FROM sinks AS s WHERE s.name = :name")
+_SINK_AND_NOW = DriverStatement(f"SELECT {_cols(sinks, 's', 's_')}, clock_timestamp() AS db_now FROM sinks AS s WHERE s.name = :name")
 
 
 def sink_and_now(conn: Connection, name: str) -> tuple[Sink, datetime] | None:
     """The sink and the database's clock, in one round trip (None if there is no such sink)."""
-    row = conn.execute(_SINK_AND_NOW, {"name": name}).mappings().first()
+    row = _SINK_AND_NOW.first(conn, {"name": name})
     if row is None:
         return None
     return Sink.from_mapping(_Prefixed(row, "s_")), row["db_now"]
@@ -71,7 +73,7 @@ def sink_and_now(conn: Connection, name: str) -> tuple[Sink, datetime] | None:
 # existing row as FOR UPDATE would, and returns its latest version after waiting for a lock); the
 # offsets digest is bound at the first begin that names it (COALESCE keeps a bound one, so the
 # caller's check sees the bound digest).
-_UPSERT_CHECKPOINT = text("""
+_UPSERT_CHECKPOINT = DriverStatement("""
 INSERT INTO checkpoints AS c (sink_id, query_id, batch_id, state, current_attempt, created_at, offsets_digest)
 VALUES (:sink_id, :query_id, :batch_id, 'OPEN', 0, :now, :offsets_digest)
 ON CONFLICT (sink_id, query_id, batch_id)
@@ -83,7 +85,7 @@ RETURNING c.*
 # the checkpoint's lock was granted, so it sees what the lock's previous holder committed): the
 # latest attempt, the sink's OPEN attempts (to abort: the caller then locks them), decided
 # commits of other batches still finishing, and the checkpoint's aborted or aborting leases.
-_BEGIN_READS = text(f"""
+_BEGIN_READS = DriverStatement(f"""
 SELECT {_cols(attempts, 'a', 'a_')},
     (SELECT array_agg(o.id ORDER BY o.id) FROM attempts AS o
      WHERE o.sink_id = :sink_id AND o.state = 'OPEN' AND o.finished_at IS NULL) AS open_attempt_ids,
@@ -114,14 +116,14 @@ class CheckpointHead(NamedTuple):
 def upsert_checkpoint(
     conn: Connection, sink: Sink, batch_id: int, now: datetime, offsets_digest: str | None
 ) -> CheckpointHead:
-    row = conn.execute(_UPSERT_CHECKPOINT, {
+    row = _UPSERT_CHECKPOINT.one(conn, {
         "sink_id": sink.id, "query_id": sink.lineage_query_id, "batch_id": batch_id, "now": now,
         "offsets_digest": offsets_digest,
-    }).mappings().one()
+    })
     cp = Checkpoint.from_mapping(row)
-    reads = conn.execute(_BEGIN_READS, {
+    reads = _BEGIN_READS.one(conn, {
         "sink_id": sink.id, "checkpoint_id": cp.id, "current_attempt": cp.current_attempt,
-    }).mappings().one()
+    })
     return CheckpointHead(
         cp,
         Attempt.from_mapping(_Prefixed(reads, "a_")) if reads["a_id"] is not None else None,
@@ -135,7 +137,7 @@ def upsert_checkpoint(
 # current attempt, the audit event, one LEASED lease per partition (the i-th id to partition i;
 # ids locked by the caller's take_free_transactional_ids) and those ids handed to their leases
 # (found by their unique transactional_id: joining on an unnest() would be a nested loop).
-_NEW_ATTEMPT = text(f"""
+_NEW_ATTEMPT = DriverStatement(f"""
 WITH a AS (
     INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at)
     VALUES (:checkpoint_id, :sink_id, :number, :generation, 'OPEN', :partitions, :now)
@@ -175,12 +177,12 @@ def insert_attempt_with_leases(
 ) -> NewAttempt:
     if taken:
         require_transition(TransactionalIdState.FREE, TransactionalIdState.LEASED)
-    rows = conn.execute(_NEW_ATTEMPT, {
+    rows = _NEW_ATTEMPT.rows(conn, {
         "checkpoint_id": checkpoint_id, "sink_id": sink.id, "number": number, "generation": generation,
         "partitions": partitions, "now": now, "actor": actor, "detail": json.dumps(event_detail),
         "task_attempt_id": task_attempt_id, "lease_partitions": list(range(len(taken))),
         "tids": [tid for _, tid in taken], "deadline_at": deadline_at,
-    }).mappings().all()
+    })
     first = rows[0]
     if first["checkpoints_updated"] != 1:
         raise AssertionError("the checkpoint changed under begin's lock")
@@ -193,7 +195,7 @@ def insert_attempt_with_leases(
 
 # The sink (FOR SHARE), the checkpoint and the attempt (FOR UPDATE) of a commit, locked in that
 # order (the lock order of repo's docstring: LockRows takes them in the order named here).
-_COMMIT_HEAD = text(f"""
+_COMMIT_HEAD = DriverStatement(f"""
 SELECT {_cols(sinks, 's', 's_')}, {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')}
 FROM sinks AS s
 JOIN checkpoints AS c ON c.sink_id = s.id AND c.query_id = s.lineage_query_id AND c.batch_id = :batch_id
@@ -206,7 +208,7 @@ FOR SHARE OF s FOR UPDATE OF c, a
 def commit_head(conn: Connection, name: str, batch_id: int, number: int) -> tuple[Sink, Checkpoint, Attempt] | None:
     """Sink, checkpoint and attempt locked for a commit, or None if one of them is missing (the
     caller then reads them one by one, for the error that names what is missing)."""
-    row = conn.execute(_COMMIT_HEAD, {"name": name, "batch_id": batch_id, "number": number}).mappings().first()
+    row = _COMMIT_HEAD.first(conn, {"name": name, "batch_id": batch_id, "number": number})
     if row is None:
         return None
     sink = Sink.from_mapping(_Prefixed(row, "s_"))
@@ -218,20 +220,20 @@ def commit_head(conn: Connection, name: str, batch_id: int, number: int) -> tupl
 # The attempt's leases, locked, and the database's clock read after the locks: the outer SELECT
 # evaluates clock_timestamp() for a row only once the CTE has locked it, so the last row's time
 # is after every lock (the caller takes the latest).
-_LOCK_ATTEMPT_LEASES = text(f"""
+_LOCK_ATTEMPT_LEASES = DriverStatement(f"""
 WITH l AS (SELECT * FROM leases WHERE attempt_id = :attempt_id ORDER BY id FOR UPDATE)
 SELECT {_names(leases)}, clock_timestamp() AS db_now FROM l ORDER BY id
 """)
 
 
 def lock_attempt_leases(conn: Connection, attempt_id: int) -> tuple[list[Lease], datetime | None]:
-    rows = conn.execute(_LOCK_ATTEMPT_LEASES, {"attempt_id": attempt_id}).mappings().all()
+    rows = _LOCK_ATTEMPT_LEASES.rows(conn, {"attempt_id": attempt_id})
     return [Lease.from_mapping(r) for r in rows], max((r["db_now"] for r in rows), default=None)
 
 
 # The decision: checkpoint and attempt OPEN -> COMMITTING, the winners whose pre-commit records
 # came with the commit LEASED -> COMMITTING with the records, and the commit_decided event.
-_DECIDE = text(f"""
+_DECIDE = DriverStatement(f"""
 WITH c AS (
     UPDATE checkpoints SET state = 'COMMITTING', decided_at = :now, committed_attempt = :number
     WHERE id = :checkpoint_id AND state = 'OPEN' RETURNING *
@@ -265,7 +267,7 @@ def decide(
     require_transition(AttemptState.OPEN, AttemptState.COMMITTING)
     if records:
         require_transition(LeaseState.LEASED, LeaseState.COMMITTING)
-    rows = conn.execute(_DECIDE, {
+    rows = _DECIDE.rows(conn, {
         "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "sink_id": sink_id, "number": number,
         "partitions": partitions, "job_ms": job_ms, "now": now, "actor": actor, "detail": json.dumps(event_detail),
         "ids": [lid for lid, _ in records],
@@ -275,7 +277,7 @@ def decide(
         "bytes": [r.bytes for _, r in records],
         "write_ms": [r.write_ms for _, r in records],
         "first_offsets": [json.dumps(r.first_offsets) if r.first_offsets is not None else None for _, r in records],
-    }).mappings().all()
+    })
     if not rows:
         raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
     winners = [Lease.from_mapping(_Prefixed(r, "w_")) for r in rows if r["w_id"] is not None]
@@ -285,18 +287,18 @@ def decide(
 # --- commit: marking it committed after Kafka ---------------------------------------------------
 
 
-_LOCK_CHECKPOINT = text(f"SELECT {_names(checkpoints)}, clock_timestamp() AS db_now FROM checkpoints "
+_LOCK_CHECKPOINT = DriverStatement(f"SELECT {_names(checkpoints)}, clock_timestamp() AS db_now FROM checkpoints "
                         "WHERE id = :checkpoint_id FOR UPDATE")
 
 
 def lock_checkpoint(conn: Connection, checkpoint_id: int) -> tuple[Checkpoint, datetime]:
-    row = conn.execute(_LOCK_CHECKPOINT, {"checkpoint_id": checkpoint_id}).mappings().one()
+    row = _LOCK_CHECKPOINT.one(conn, {"checkpoint_id": checkpoint_id})
     return Checkpoint.from_mapping(row), row["db_now"]
 
 
 # Winners Kafka committed: COMMITTING -> COMMITTED, their ids FREE again at once; answers the
 # checkpoint's leases as they are after this statement (the changed ones as changed).
-_MARK_WINNERS_COMMITTED = text(f"""
+_MARK_WINNERS_COMMITTED = DriverStatement(f"""
 WITH u AS (
     UPDATE leases SET state = 'COMMITTED', resolved_at = :now
     WHERE id = ANY(CAST(:done AS bigint[])) AND state = 'COMMITTING' RETURNING *
@@ -319,13 +321,12 @@ def mark_winners_committed(
     """Returns (the leases this changed, every lease of the checkpoint after the change)."""
     require_transition(LeaseState.COMMITTING, LeaseState.COMMITTED)
     require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
-    rows = conn.execute(_MARK_WINNERS_COMMITTED, {"checkpoint_id": checkpoint_id, "done": list(done), "now": now})
-    rows = rows.mappings().all()
+    rows = _MARK_WINNERS_COMMITTED.rows(conn, {"checkpoint_id": checkpoint_id, "done": list(done), "now": now})
     all_leases = [Lease.from_mapping(r) for r in rows]
     return [x for x, r in zip(all_leases, rows) if r["changed"]], all_leases
 
 
-_MARK_CHECKPOINT_COMMITTED = text(f"""
+_MARK_CHECKPOINT_COMMITTED = DriverStatement(f"""
 WITH a AS (
     UPDATE attempts SET state = 'COMMITTED', finished_at = :now WHERE id = :attempt_id AND state = 'COMMITTING'
     RETURNING *
@@ -345,10 +346,10 @@ def mark_checkpoint_committed(
 ) -> tuple[Checkpoint, Attempt]:
     require_transition(AttemptState.COMMITTING, AttemptState.COMMITTED)
     require_transition(CheckpointState.COMMITTING, CheckpointState.COMMITTED)
-    row = conn.execute(_MARK_CHECKPOINT_COMMITTED, {
+    row = _MARK_CHECKPOINT_COMMITTED.first(conn, {
         "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "now": now,
         "detail": json.dumps(event_detail),
-    }).mappings().first()
+    })
     if row is None:
         raise AssertionError("the checkpoint or attempt changed state under the checkpoint's lock")
     return Checkpoint.from_mapping(_Prefixed(row, "c_")), Attempt.from_mapping(_Prefixed(row, "a_"))

@@ -36,6 +36,7 @@ from ..protocol import errors as e
 from ..protocol.invariants import Snapshot
 from ..protocol.model import Alert, Attempt, Checkpoint, Lease, Sink, TransactionalId
 from ..protocol.states import TransactionalIdState, require_transition
+from .driver_sql import DriverStatement
 from .tables import attempts, checkpoints, events, leases, sinks, transactional_ids
 
 
@@ -265,17 +266,14 @@ def attempt_of_lease(conn: Connection, sink: Sink, lease_id: int, lock: str | No
 # --- the transactional id pool ---------------------------------------------------------------
 
 
-_FREE_IDS = (
-    select(transactional_ids.c.id, transactional_ids.c.transactional_id)
-    .where(
-        transactional_ids.c.sink_id == bindparam("sink_id"),
-        transactional_ids.c.state == TransactionalIdState.FREE.value,
-        (transactional_ids.c.reusable_at.is_(None)) | (transactional_ids.c.reusable_at <= bindparam("now")),
-    )
-    .order_by(transactional_ids.c.released_at, transactional_ids.c.ordinal)
-    .limit(bindparam("n"))
-    .with_for_update(skip_locked=True)
-)
+# the pool's hot query (begin, a retry's lease): run on the driver's connection, see driver_sql
+_FREE_IDS = DriverStatement("""
+SELECT id, transactional_id FROM transactional_ids
+WHERE sink_id = :sink_id AND state = 'FREE' AND (reusable_at IS NULL OR reusable_at <= :now)
+ORDER BY released_at, ordinal
+LIMIT :n
+FOR UPDATE SKIP LOCKED
+""")
 
 
 def take_free_transactional_ids(conn: Connection, sink: Sink, n: int, now: datetime, prefix_for: Any) -> list[tuple[int, str]]:
@@ -289,8 +287,8 @@ def take_free_transactional_ids(conn: Connection, sink: Sink, n: int, now: datet
     taken: list[tuple[int, str]] = []
     growing = False
     for _ in range(64):
-        rows = conn.execute(_FREE_IDS, {"sink_id": sink.id, "now": now, "n": n - len(taken)}).all()
-        taken += [(r.id, r.transactional_id) for r in rows if (r.id, r.transactional_id) not in taken]
+        rows = _FREE_IDS.rows(conn, {"sink_id": sink.id, "now": now, "n": n - len(taken)})
+        taken += [(r["id"], r["transactional_id"]) for r in rows if (r["id"], r["transactional_id"]) not in taken]
         if len(taken) == n:
             return taken
         if not growing:

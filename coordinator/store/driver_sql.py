@@ -1,0 +1,68 @@
+"""Hot-path statements run on the psycopg connection under a SQLAlchemy `Connection`.
+
+The protocol's common path sends a handful of fixed statements per call, and SQLAlchemy's
+execution and result layers cost more than psycopg itself for each of them: an execution context,
+and a result whose metadata is rebuilt from the cursor's description (a psycopg `Column` per
+column, ~20 of them for the joined rows) at every execution. `DriverStatement.rows` skips both: it
+runs the statement, prepared, on the same DBAPI connection (so inside the caller's transaction) and
+answers plain dicts. What SQLAlchemy would otherwise do for us is kept:
+
+- the `before_cursor_execute` listeners still fire (the simulation's fault points, the statement
+  counters of benchmarks and tests);
+- a psycopg error goes through SQLAlchemy's own error handling: raised as its `DBAPIError` of the
+  same kind, with `connection_invalidated` set (and the pool's connections invalidated) when the
+  connection died, so `CoordinatorBase._tx` retries exactly as before.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+from sqlalchemy import Connection
+
+_BIND = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+class DriverStatement:
+    """One fixed statement, written with SQLAlchemy's `:name` parameters (as in `text()`)."""
+
+    __slots__ = ("sql",)
+
+    def __init__(self, sql: str) -> None:
+        if "%" in sql:
+            raise ValueError("a driver statement must not contain '%' (psycopg's placeholder character)")
+        self.sql = _BIND.sub(r"%(\1)s", sql)
+
+    def rows(self, conn: Connection, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Execute in conn's transaction; every result row as a dict keyed by column name."""
+        raw = conn.connection.driver_connection
+        assert isinstance(raw, psycopg.Connection), "the coordinator runs on psycopg 3"
+        with raw.cursor(row_factory=tuple_row) as cur:
+            conn.dispatch.before_cursor_execute(conn, cur, self.sql, params, None, False)
+            try:
+                cur.execute(self.sql, params, prepare=True)
+            except psycopg.Error as exc:
+                # SQLAlchemy's own handler (what Connection.execute calls): wraps the error, and on a
+                # dead connection invalidates it and the pool's older connections, as for any statement
+                conn._handle_dbapi_exception(exc, self.sql, dict(params), cur, None)
+                raise AssertionError("unreachable: _handle_dbapi_exception raises") from exc
+            result = cur.pgresult
+            if result is None or result.nfields == 0:
+                return []
+            names = [result.fname(i).decode() for i in range(result.nfields)]  # type: ignore[union-attr]
+            return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    def first(self, conn: Connection, params: Mapping[str, Any]) -> dict[str, Any] | None:
+        rows = self.rows(conn, params)
+        return rows[0] if rows else None
+
+    def one(self, conn: Connection, params: Mapping[str, Any]) -> dict[str, Any]:
+        rows = self.rows(conn, params)
+        if len(rows) != 1:
+            raise AssertionError(f"expected exactly one row, got {len(rows)}")
+        return rows[0]
+

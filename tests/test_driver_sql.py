@@ -1,0 +1,89 @@
+"""The hot path's statements run on psycopg directly (coordinator/store/driver_sql.py), and still
+behave as SQLAlchemy statements do where it matters: errors of the same kind, a dead pooled
+connection retried, the statement listeners (the simulation's fault points) fired. Real Postgres."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, event, text
+from sqlalchemy.exc import DBAPIError, IntegrityError
+
+from coordinator.protocol.model import PartitionResult, PrecommitRecord
+from coordinator.service import Coordinator, SinkSpec
+from coordinator.store.driver_sql import DriverStatement
+
+NAME = "orders"
+
+
+def _cycle(c: Coordinator, generation: int, batch_id: int) -> None:
+    begun = c.begin_checkpoint(NAME, batch_id, generation, "test", partitions=2)
+    results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50)) for x in begun.pre_leases]
+    assert c.commit(NAME, batch_id, begun.attempt.number, generation, results, "test").checkpoint.state == "COMMITTED"
+
+
+def test_parameters_rows_and_casts(engine: Engine) -> None:
+    stmt = DriverStatement("SELECT :a::int + 1 AS b, CAST(:xs AS int[]) AS xs, 'x:y' AS literal")
+    with engine.begin() as conn:
+        assert stmt.rows(conn, {"a": "41", "xs": [1, 2]}) == [{"b": 42, "xs": [1, 2], "literal": "x:y"}]
+        assert DriverStatement("SELECT 1 AS one WHERE false").first(conn, {}) is None
+        with pytest.raises(AssertionError):
+            DriverStatement("SELECT generate_series(1, 2) AS n").one(conn, {})
+    with pytest.raises(ValueError):
+        DriverStatement("SELECT 10 % 3")
+
+
+def test_an_error_is_sqlalchemys_of_the_same_kind_and_the_transaction_rolls_back(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE t (id int PRIMARY KEY)"))
+    insert = DriverStatement("INSERT INTO t VALUES (:id) RETURNING id")
+    with pytest.raises(IntegrityError) as caught:
+        with engine.begin() as conn:
+            assert insert.rows(conn, {"id": 1}) == [{"id": 1}]
+            insert.rows(conn, {"id": 1})
+    assert caught.value.orig.sqlstate == "23505" and not caught.value.connection_invalidated
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM t")).scalar_one() == 0
+
+
+def test_statement_listeners_fire_for_driver_statements(engine: Engine) -> None:
+    seen: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", before)
+    try:
+        with engine.begin() as conn:
+            DriverStatement("SELECT :n AS n").rows(conn, {"n": 1})
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+    assert seen == ["SELECT %(n)s AS n"]
+
+
+def test_a_protocol_call_on_a_dead_pooled_connection_is_retried(coordinator: Coordinator, engine: Engine) -> None:
+    """Postgres restarts or drops the session between two calls: the next call's first statement
+    (a driver statement) fails on the dead connection, and the transaction is retried on a new one."""
+    coordinator.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
+    generation, _ = coordinator.start_generation(NAME, "q", "r", "test")
+    _cycle(coordinator, generation, 1)
+    pooled = engine.pool.checkedin()
+    with psycopg.connect(engine.url.set(drivername="postgresql").render_as_string(hide_password=False)) as admin:
+        (killed,) = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchone()
+    assert pooled >= 1 and killed >= pooled
+    _cycle(coordinator, generation, 2)
+
+
+def test_a_dead_connection_is_reported_as_invalidated(engine: Engine) -> None:
+    with engine.connect() as victim:
+        pid = victim.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with engine.connect() as other:
+            other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(DBAPIError) as caught:
+            DriverStatement("SELECT 1 AS one").rows(victim, {})
+    assert caught.value.connection_invalidated

@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Throughput, CPU and latency of the coordinator's whole protocol against a real local Postgres.
 
-One batch (checkpoint cycle) = begin, then one lease + one pre-commit per partition (each
-partition's executor in its own thread, all at once), then commit naming every winner. Many
+One batch (checkpoint cycle) = begin with the partition count (it pre-leases each partition's first
+try), then the executors' work (each in its own thread, all at once; first tries make no call),
+then commit naming every winner with its pre-commit record: 2 calls per batch. (Against a server
+of the per-call protocol it falls back to one lease + one pre-commit per partition.) Many
 simulated drivers run batches back to back, one sink each (a query runs one micro-batch at a time
 per sink). Modes:
   inprocess  the drivers call `Coordinator` directly: the coordinator's logic and Postgres only;
   http       a real `coordinator serve` (uvicorn, --workers, as deployed) with
-             COORDINATOR_KAFKA_CONTROL_PLANE=none, driven by httpx clients with keep-alive.
+             COORDINATOR_KAFKA_CONTROL_PLANE=none, driven by keep-alive http.client connections.
 
 First the floor: what one Python process gets from the same Postgres without the coordinator
 (raw psycopg one-row update transactions/s). Then one run per (mode, shape); the report is printed

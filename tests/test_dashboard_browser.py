@@ -168,8 +168,12 @@ def test_dashboard_in_a_browser(browser: Any, services: dict[str, ServiceProcess
     lease_row = page.locator(f"[data-testid=leases] tr[data-lease='{lost_lease['lease_id']}']")
     assert lease_row.get_attribute("data-state") == "LOST"
     assert lease_row.locator("[data-testid=producer-id]").inner_text() == str(9000 + lost_lease["lease_id"])
-    kinds = [r.get_attribute("data-kind") for r in page.locator("[data-testid=events] tr[data-kind]").all()]
-    assert kinds[:2] == ["attempt_begun", "commit_decided"] and "data_lost" in kinds
+    trail = page.locator("[data-testid=events] tr[data-kind]").all()
+    kinds = [r.get_attribute("data-kind") for r in trail]
+    # the attempt's start comes from its row (no event on the hot path), then the decision and the loss
+    assert kinds[:2] == ["attempt_started", "commit_decided"] and "data_lost" in kinds
+    assert trail[0].get_attribute("data-source") == "record" and "(attempt row)" in trail[0].inner_text()
+    assert trail[1].get_attribute("data-source") == "event" and "checkpoint_committed" not in kinds
 
     # the inventory transaction is past 80 % of its timeout from here on
     wait_until = datetime.fromisoformat(open_lease["leased_at"]).timestamp() + 0.82 * NEAR_TIMEOUT_MS / 1000

@@ -80,6 +80,11 @@ def attr(html: str, testid: str, name: str) -> list[str]:
     return re.findall(rf'data-testid="{testid}"[^>]*?{name}="([^"]*)"', html)
 
 
+def trail(html: str) -> list[tuple[str, str, str]]:
+    """(kind, actor, source) of each row of a page's event trail."""
+    return re.findall(r'<tr data-kind="([a-z_]+)" data-actor="([^"]*)" data-source="([a-z]+)"', html)
+
+
 def events(c: Coordinator, sink: str, kind: str) -> list[dict]:
     return [ev for ev in c.list_events(sink, limit=1000) if ev["kind"] == kind]
 
@@ -255,6 +260,11 @@ def test_retry_a_decided_commit(client: TestClient, api: ProtocolClient, coordin
     assert [t.transactional_id for _, t in kafka.commits] == ["orders-eos-0"]
     (ev,) = events(coordinator, "orders", "commit_retried")
     assert ev["actor"] == "dashboard:alice" and ev["batch_id"] == 0 and ev["detail"]["reason"] == "broker is back"
+    # finished after its commit call: the trail shows the recovery's event, not the row's mark
+    page = client.get("/dashboard/sinks/orders/checkpoints/0").text
+    assert trail(page) == [("attempt_started", "", "record"), ("commit_decided", "admin", "event"),
+                           ("commit_failed", "coordinator", "event"), ("checkpoint_committed", "recovery", "event"),
+                           ("commit_retried", "dashboard:alice", "event")]
     # an open checkpoint has no decided commit to retry: refused, nothing recorded
     batch(api, "orders", gen, 1, [1], commit=False)
     _, done = confirm_and_post(client, "/dashboard/actions/retry-commit?sink=orders&batch=1", "x")
@@ -365,7 +375,11 @@ def test_pages_show_the_figures_of_the_protocol(client: TestClient, api: Protoco
     leases = coordinator.checkpoint_detail("orders", 0).leases
     assert re.findall(r'data-testid="producer-id">(\d+)<', cp) == [str(7000 + x.id) for x in leases]
     assert re.findall(r'data-testid="records">([^<]+)<', cp) == ["30 / 300"]
-    assert re.findall(r'<tr data-kind="([a-z_]+)"', cp) == ["attempt_begun", "commit_decided", "checkpoint_committed"]
+    # one event for the batch (its decision); its start and commit come from the attempt and checkpoint rows
+    assert trail(cp) == [("attempt_started", "", "record"), ("commit_decided", "admin", "event"),
+                         ("checkpoint_committed", "", "record")]
+    assert [ev["kind"] for ev in coordinator.list_events("orders", batch_id=0)] == ["commit_decided"]
+    assert "(attempt row)" in cp and "(checkpoint row)" in cp
 
 
 def test_stuck_offsets_and_lingering_transactions(coordinator: Coordinator, kafka: RecordingControlPlane) -> None:

@@ -230,6 +230,7 @@ def test_one_refused_winner_does_not_stop_the_others(coordinator: Coordinator, k
     final = sorted(leases_by_id(c)[w.id].state for w in winners)
     assert final == sorted([LeaseState.LOST, LeaseState.COMMITTED, LeaseState.COMMITTED])
     assert len(kafka.commits) == 2 and len(events(c, "data_lost")) == 1
+    assert events(c, "checkpoint_committed") == []  # a LOST checkpoint is never marked committed
     assert_invariants(c)
 
 
@@ -316,6 +317,8 @@ def test_a_refused_commit_that_the_log_shows_committed_is_committed_after_all(
     (ev,) = events(c, "committed_after_all")
     assert ev["detail"]["transactional_ids"] == [winner.transactional_id] and ev["detail"]["codes"] == ["producer_fenced"]
     assert events(c, "data_lost") == [] and not c.get_sink(NAME).halted
+    # committed by the call that decided: committed_after_all is its story, no committed mark event
+    assert events(c, "checkpoint_committed") == []
     assert kafka.aborts == []
     assert_invariants(c)
 

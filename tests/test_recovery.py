@@ -182,6 +182,12 @@ def test_run_once_finishes_a_decided_commit_without_the_driver(
     assert {t.transactional_id for _, t in kafka.commits} == {w0.transactional_id, w1.transactional_id}
     assert states(c)[loser.id] is LeaseState.ABORTED and (NAME, loser.transactional_id) in kafka.aborts
     assert set(pool(c).values()) == {TransactionalIdState.FREE}
+    # the trail says recovery finished it: the batch's decision, then the recovery's committed mark
+    trail = [(ev["kind"], ev["actor"]) for ev in c.list_events(NAME, batch_id=0, limit=1000)]
+    assert [x for x in trail if x[0] in ("commit_decided", "checkpoint_committed")] == [
+        ("commit_decided", ACTOR), ("checkpoint_committed", "recovery")]
+    (done,) = [ev for ev in c.list_events(NAME, batch_id=0, limit=1000) if ev["kind"] == "checkpoint_committed"]
+    assert done["detail"] == {"batch_id": 0, "attempt": attempt, "by": "recovery_loop"}
     assert_invariants(c)
     # nothing left: the next iteration does nothing
     calls = (len(kafka.commits), len(kafka.aborts))

@@ -165,6 +165,10 @@ def test_sigkill_after_the_decision_and_the_recovery_loop_finishes_the_commit(
     events = second.client(ADMIN).request("GET", "/v1/sinks/orders/events", params={"limit": 1000})
     kinds = [ev["kind"] for ev in events]
     assert kinds.index("commit_decided") < kinds.index("checkpoint_committed")
+    # the trail says recovery finished it (the commit call that decided writes no such event)
+    (finished,) = [ev for ev in events if ev["kind"] == "checkpoint_committed"]
+    assert finished["actor"] == "recovery" and finished["batch_id"] == 0
+    assert finished["detail"] == {"batch_id": 0, "attempt": attempt, "by": "recovery_loop"}
     assert "data_lost" not in kinds
     with engine.connect() as conn:
         violations = check_invariants(repo.snapshot(conn), settled=True)

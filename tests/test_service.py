@@ -110,6 +110,13 @@ def event_kinds(c: Coordinator, name: str = NAME) -> list[str]:
     return [ev["kind"] for ev in c.list_events(name, limit=1000)]
 
 
+def committed_events(c: Coordinator, batch_id: int) -> list[tuple[str, dict[str, Any]]]:
+    """(actor, detail) of the batch's checkpoint_committed events (written only when a decided
+    commit is finished after its commit call)."""
+    return [(ev["actor"], ev["detail"]) for ev in c.list_events(NAME, batch_id=batch_id, limit=1000)
+            if ev["kind"] == "checkpoint_committed"]
+
+
 @pytest.fixture
 def offline(engine: Engine, clock: ManualClock) -> Iterator[Coordinator]:
     """The same database served by a coordinator with no Kafka control plane configured."""
@@ -189,11 +196,14 @@ def test_happy_path_every_transition(coordinator: Coordinator, kafka: RecordingC
     assert lease_state(c, p1_spec.id) is LeaseState.ABORTED
     assert set(pool(c).values()) == {TransactionalIdState.FREE}
     assert c.possibly_open_transactions(NAME) == []
+    # one event per batch: its decision (the attempt and checkpoint rows record begin and commit)
     kinds = event_kinds(c)
-    for kind in ("sink_registered", "generation_started", "attempt_begun", "commit_decided",
-                 "checkpoint_committed", "transactions_aborted"):
+    for kind in ("sink_registered", "generation_started", "commit_decided", "transactions_aborted"):
         assert kind in kinds
-    assert kinds.index("commit_decided") < kinds.index("checkpoint_committed")
+    assert [ev["kind"] for ev in c.list_events(NAME, batch_id=0, limit=1000)] == ["commit_decided"]
+    (decided,) = [ev for ev in c.list_events(NAME, limit=1000) if ev["kind"] == "commit_decided"]
+    assert decided["actor"] == ACTOR and decided["detail"]["winners"] == [[0, p0.id, p0.transactional_id],
+                                                                         [1, p1.id, p1.transactional_id]]
     assert_invariants(c, settled=True)
 
     # Spark replays batch 0 (crash after the commit, before its commit log): skip
@@ -272,6 +282,8 @@ def test_kafka_failure_leaves_committing_and_a_new_generation_resumes(
     # read_committed consumers of its partitions
     assert kafka.aborts == [(NAME, loser.transactional_id)]
     assert c.possibly_open_transactions(NAME) == []
+    # finished after its commit call: an event says who finished it (the decision's call wrote none)
+    assert committed_events(c, 0) == [("recovery", {"batch_id": 0, "attempt": 1, "by": "begin"})]
     assert_invariants(c, settled=True)
 
     # resume answers from the record, with no second effect
@@ -281,6 +293,7 @@ def test_kafka_failure_leaves_committing_and_a_new_generation_resumes(
     assert [w.id for w in resumed.winners] == [winner.id] and resumed.winners[0].state is LeaseState.COMMITTED
     assert kafka_calls(kafka) == calls
     assert c.begin_checkpoint(NAME, 0, gen2, ACTOR).action is BeginAction.SKIP
+    assert len(committed_events(c, 0)) == 1
     assert_invariants(c, settled=True)
 
 
@@ -297,6 +310,7 @@ def test_kafka_failure_then_the_same_driver_retries_commit(coordinator: Coordina
     assert c.checkpoint_detail(NAME, 0).checkpoint.state is CheckpointState.COMMITTING
     result = c.commit(NAME, 0, 1, gen, [PR(0, winner.id)], ACTOR)
     assert result.checkpoint.state is CheckpointState.COMMITTED
+    assert committed_events(c, 0) == [("recovery", {"batch_id": 0, "attempt": 1, "by": "commit_retry"})]
     assert kafka.commits == [(NAME, PreparedTransaction(winner.transactional_id, 1000 + winner.id, 0))]
     # the retries also ended the loser's transaction, once
     assert kafka.aborts == [(NAME, loser.transactional_id)]
@@ -322,6 +336,7 @@ def test_losers_are_aborted_even_while_the_winners_commit_waits(
     assert lease_state(c, loser.id) is LeaseState.ABORTED
     assert kafka.aborts == [(NAME, loser.transactional_id)]
     assert c.resume(NAME, 0).checkpoint.state is CheckpointState.COMMITTED
+    assert committed_events(c, 0) == [("recovery", {"batch_id": 0, "attempt": 1, "by": "resume"})]
     assert_invariants(c, settled=True)
 
 

@@ -372,7 +372,9 @@ def create_app(
         batch_id: BatchId | None = None,
         limit: PageSize = 100,
     ) -> list[EventOut]:
-        """The audit trail, oldest first; page with after_id."""
+        """The audit trail, oldest first; page with after_id. A batch on the common path has one
+        event, `commit_decided`; its start and commit are on its attempt and checkpoint rows
+        (GET …/checkpoints/{batch_id}). Anything else has its own event (docs/protocol.md)."""
         return [EventOut(**ev) for ev in coordinator.list_events(name, after_id=after_id, batch_id=batch_id, limit=limit)]
 
     # --- broker observations (coordinator/kafka/broker.py) ------------------------------------------

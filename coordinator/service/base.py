@@ -36,6 +36,9 @@ from .results import AbortOutcome, CommitResult, Limits, _Decision
 log = logging.getLogger("coordinator.service")
 T = TypeVar("T")
 
+# the actor of a checkpoint_committed event: a decided commit finished after its commit call
+RECOVERY_ACTOR = "recovery"
+
 # Postgres codes worth retrying the whole transaction for: serialization failure, deadlock.
 _RETRYABLE_SQLSTATES = {"40001", "40P01"}
 
@@ -115,8 +118,10 @@ class CoordinatorBase:
                 warnings.append(w)
         return CommitResult(checkpoint=cp, attempt=attempt, winners=winners, aborts=aborts, warnings=warnings)
 
-    def _finish_commit(self, name: str, checkpoint_id: int) -> CommitResult | None:
-        """Finish a decided commit found in the record (None if it was already finished)."""
+    def _finish_commit(self, name: str, checkpoint_id: int, by: str) -> CommitResult | None:
+        """Finish a decided commit found in the record (None if it was already finished). `by`
+        names who found it unfinished (recovery_loop, resume, begin, commit_retry): marking it
+        committed here records a checkpoint_committed event (actor recovery) saying so."""
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             cp = repo.as_checkpoint(conn.execute(select(checkpoints).where(checkpoints.c.id == checkpoint_id)).one())
@@ -128,11 +133,14 @@ class CoordinatorBase:
             pending = repo.leases_where(
                 conn, leases.c.attempt_id == attempt.id, leases.c.state == LeaseState.COMMITTING.value
             )
-        return self._commit_winners(_Decision(sink, cp, attempt, pending))
+        return self._commit_winners(_Decision(sink, cp, attempt, pending), finished_by=by)
 
-    def _commit_winners(self, decision: _Decision) -> CommitResult:
+    def _commit_winners(self, decision: _Decision, finished_by: str | None = None) -> CommitResult:
         """Commit every decided winner on Kafka by resume, then mark the checkpoint COMMITTED.
-        Safe to run concurrently with itself (driver resume and recovery loop): every write is a CAS."""
+        Safe to run concurrently with itself (driver resume and recovery loop): every write is a CAS.
+        The commit call that decided (finished_by None) writes no event for the mark: its
+        commit_decided event and the checkpoint row are the record (one event per batch); a
+        finish after the fact (finished_by set) records checkpoint_committed, actor recovery."""
         sink, cp, attempt, pending = decision.sink, decision.checkpoint, decision.attempt, decision.winners
         started = time.monotonic()
         if pending and self.control_plane is None:
@@ -174,6 +182,7 @@ class CoordinatorBase:
                 failures[lease.transactional_id] = f"{error}; the partition log does not show the outcome yet"
         newly_lost: list[Lease] = []
         outcome: dict[str, Any] = {}
+        committed_detail = dict(batch_id=cp.batch_id, attempt=attempt.number, by=finished_by)
 
         def record_all_committed(conn: Connection) -> CommitResult | None:
             """record() when Kafka committed every pending winner: the same writes in 3 statements."""
@@ -191,7 +200,7 @@ class CoordinatorBase:
             if locked.state is CheckpointState.COMMITTING and not still_committing:
                 final_cp, final_attempt = hot_path.mark_checkpoint_committed(
                     conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, now=now,
-                    event_detail=dict(batch_id=cp.batch_id, attempt=attempt.number),
+                    event_actor=RECOVERY_ACTOR if finished_by else None, event_detail=committed_detail,
                 )
                 outcome["committed_now"] = True
             elif locked.state is CheckpointState.COMMITTED:
@@ -244,8 +253,9 @@ class CoordinatorBase:
                 (c,) = repo.cas(conn, checkpoints, [cp.id], [CheckpointState.COMMITTING], CheckpointState.COMMITTED, committed_at=now)
                 final_cp, final_attempt = repo.as_checkpoint(c), repo.as_attempt(a)
                 outcome["committed_now"] = True
-                repo.add_event(conn, sink.id, "checkpoint_committed", "coordinator", now, cp.id,
-                               batch_id=cp.batch_id, attempt=attempt.number)
+                if finished_by:
+                    repo.add_event(conn, sink.id, "checkpoint_committed", RECOVERY_ACTOR, now, cp.id,
+                                   **committed_detail)
             elif locked.state is CheckpointState.COMMITTED:
                 final_attempt = repo.attempt_by_id(conn, attempt.id)
             return self._result_from(sink, final_cp, final_attempt, checkpoint_leases)

@@ -249,9 +249,8 @@ class ProtocolOperations(Reads):
                 ) if partitions else []
                 made = hot_path.insert_attempt_with_leases(
                     conn, sink=sink, checkpoint_id=cp.id, number=number, generation=generation, partitions=partitions,
-                    now=now, actor=actor, task_attempt_id=FIRST_TRY_TASK_ATTEMPT, taken=taken,
+                    now=now, task_attempt_id=FIRST_TRY_TASK_ATTEMPT, taken=taken,
                     deadline_at=rules.transaction_deadline(now, sink.transaction_timeout_ms),
-                    event_detail=dict(batch_id=batch_id, attempt=number, generation=generation, partitions=partitions),
                 )
                 fresh.append((made, sink))
                 latest = made.attempt
@@ -271,9 +270,9 @@ class ProtocolOperations(Reads):
         finished = list(unfinished)
         try:
             for other in unfinished:  # decided commits of earlier batches finish first
-                self._finish_commit(name, other)
+                self._finish_commit(name, other, "begin")
             if action is BeginAction.RESUME:
-                self._finish_commit(name, cp.id)
+                self._finish_commit(name, cp.id, "begin")
                 finished.append(cp.id)
         except e.Conflict as exc:
             if exc.reason != e.DATA_LOST:
@@ -565,7 +564,10 @@ class ProtocolOperations(Reads):
             self._abort_on_kafka(name, to_abort)
             raise refusal
         try:
-            result = self._commit_winners(decision) if decision else self._finish_commit(name, checkpoint_id)
+            if decision:
+                result = self._commit_winners(decision)
+            else:  # a retried commit (its answer lost) finds the decision in the record
+                result = self._finish_commit(name, checkpoint_id, "commit_retry")
         finally:
             # losers do not depend on the winners: end their transactions (which would block
             # read_committed consumers) even while the winners' commit waits for Kafka
@@ -581,7 +583,7 @@ class ProtocolOperations(Reads):
         if cp.state is CheckpointState.OPEN:
             raise e.Conflict(e.NOT_COMMITTING, f"batch {batch_id} has no decided commit to resume")
         try:
-            self._finish_commit(name, cp.id)
+            self._finish_commit(name, cp.id, "resume")
         finally:
             self._abort_on_kafka(name, self._aborting_leases([cp.id]))
         return self._commit_result(name, batch_id)

@@ -59,7 +59,7 @@ class RecoveryOperations(Reads):
             batch = by_id[cp_id].batch_id
             try:
                 try:
-                    self._finish_commit(name, cp_id)
+                    self._finish_commit(name, cp_id, "recovery_loop")
                 finally:
                     self._abort_on_kafka(name, self._aborting_leases([cp_id]))
                 out.committed.append(batch)

@@ -134,9 +134,10 @@ def upsert_checkpoint(
 
 
 # A new attempt with its first tries' leases, in one statement: the attempt, the checkpoint's
-# current attempt, the audit event, one LEASED lease per partition (the i-th id to partition i;
-# ids locked by the caller's take_free_transactional_ids) and those ids handed to their leases
-# (found by their unique transactional_id: joining on an unnest() would be a nested loop).
+# current attempt, one LEASED lease per partition (the i-th id to partition i; ids locked by the
+# caller's take_free_transactional_ids) and those ids handed to their leases (found by their unique
+# transactional_id: joining on an unnest() would be a nested loop). No event: the attempt row
+# (started_at) is the record of a plain begin; the batch's one event is its decision.
 _NEW_ATTEMPT = DriverStatement(f"""
 WITH a AS (
     INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at)
@@ -144,9 +145,6 @@ WITH a AS (
     RETURNING *
 ), c AS (
     UPDATE checkpoints SET current_attempt = :number WHERE id = :checkpoint_id RETURNING id
-), ev AS (
-    INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
-    VALUES (:sink_id, :checkpoint_id, :now, 'attempt_begun', :actor, CAST(:detail AS jsonb))
 ), l AS (
     INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, state,
                         leased_at, deadline_at)
@@ -172,15 +170,14 @@ class NewAttempt(NamedTuple):
 
 def insert_attempt_with_leases(
     conn: Connection, *, sink: Sink, checkpoint_id: int, number: int, generation: int, partitions: int | None,
-    now: datetime, actor: str, event_detail: dict[str, Any], task_attempt_id: int,
-    taken: Sequence[tuple[int, str]], deadline_at: datetime,
+    now: datetime, task_attempt_id: int, taken: Sequence[tuple[int, str]], deadline_at: datetime,
 ) -> NewAttempt:
     if taken:
         require_transition(TransactionalIdState.FREE, TransactionalIdState.LEASED)
     rows = _NEW_ATTEMPT.rows(conn, {
         "checkpoint_id": checkpoint_id, "sink_id": sink.id, "number": number, "generation": generation,
-        "partitions": partitions, "now": now, "actor": actor, "detail": json.dumps(event_detail),
-        "task_attempt_id": task_attempt_id, "lease_partitions": list(range(len(taken))),
+        "partitions": partitions, "now": now, "task_attempt_id": task_attempt_id,
+        "lease_partitions": list(range(len(taken))),
         "tids": [tid for _, tid in taken], "deadline_at": deadline_at,
     })
     first = rows[0]
@@ -335,20 +332,25 @@ WITH a AS (
     RETURNING *
 ), ev AS (
     INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
-    SELECT :sink_id, :checkpoint_id, :now, 'checkpoint_committed', 'coordinator', CAST(:detail AS jsonb) FROM a, c
+    SELECT :sink_id, :checkpoint_id, :now, 'checkpoint_committed', CAST(:event_actor AS text),
+           CAST(:detail AS jsonb) FROM a, c
+    WHERE CAST(:event_actor AS text) IS NOT NULL
 )
 SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')} FROM a, c
 """)
 
 
 def mark_checkpoint_committed(
-    conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, now: datetime, event_detail: dict[str, Any]
+    conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, now: datetime,
+    event_actor: str | None, event_detail: dict[str, Any],
 ) -> tuple[Checkpoint, Attempt]:
+    """With `event_actor`, also records a checkpoint_committed event (a commit finished after its
+    decision's call, e.g. by recovery); without, the checkpoint row (committed_at) is the record."""
     require_transition(AttemptState.COMMITTING, AttemptState.COMMITTED)
     require_transition(CheckpointState.COMMITTING, CheckpointState.COMMITTED)
     row = _MARK_CHECKPOINT_COMMITTED.first(conn, {
         "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "now": now,
-        "detail": json.dumps(event_detail),
+        "event_actor": event_actor, "detail": json.dumps(event_detail),
     })
     if row is None:
         raise AssertionError("the checkpoint or attempt changed state under the checkpoint's lock")

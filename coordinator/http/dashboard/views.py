@@ -157,7 +157,28 @@ class CheckpointPage:
     sink: Sink
     row: BatchRow
     attempt_numbers: dict[int, int]  # attempt id -> number
-    events: list[dict[str, Any]]
+    events: list[dict[str, Any]]  # checkpoint_trail: the batch's events and what its rows record
+
+
+def checkpoint_trail(detail: CheckpointDetail, events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The batch's story, oldest first: its events (source "event") merged with what its rows
+    record (source "record"): each attempt's start, and the commit's end. The protocol writes one
+    event per batch on its common path (commit_decided); a plain begin and a commit finished by
+    the call that decided it have no event of their own, their rows are their record. A commit
+    finished later has a checkpoint_committed event (actor recovery), shown instead of the row's."""
+    cp = detail.checkpoint
+    trail = [(ev["at"], 1, dict(ev, source="event")) for ev in events]
+    for a in detail.attempts:
+        trail.append((a.started_at, 0, dict(
+            id=None, at=a.started_at, kind="attempt_started", actor=None, batch_id=cp.batch_id, source="record",
+            recorded_on="attempt", detail=dict(attempt=a.number, generation=a.generation, partitions=a.partitions),
+        )))
+    if cp.committed_at is not None and not any(ev["kind"] == "checkpoint_committed" for ev in events):
+        trail.append((cp.committed_at, 2, dict(
+            id=None, at=cp.committed_at, kind="checkpoint_committed", actor=None, batch_id=cp.batch_id,
+            source="record", recorded_on="checkpoint", detail=dict(attempt=cp.committed_attempt),
+        )))
+    return [entry for _, _, entry in sorted(trail, key=lambda t: (t[0], t[1]))]
 
 
 class Views:
@@ -210,5 +231,5 @@ class Views:
             sink=c.get_sink(name),
             row=batch_row(d),
             attempt_numbers={a.id: a.number for a in d.attempts},
-            events=c.list_events(name, batch_id=batch_id, limit=1000),
+            events=checkpoint_trail(d, c.list_events(name, batch_id=batch_id, limit=1000)),
         )

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 
 from . import errors as e
-from .model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PartitionResult, PrecommitRecord, Sink
+from .model import Attempt, Checkpoint, Lease, PartitionResult, PrecommitRecord, Sink
 from .states import UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
 
 # Kafka accepts any string as transactional.id; we keep to the characters Kafka allows in topic

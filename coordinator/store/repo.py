@@ -35,9 +35,10 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from ..protocol import errors as e
+from ..protocol import states as st
 from ..protocol.invariants import Snapshot
 from ..protocol.model import Alert, Attempt, Checkpoint, Lease, Sink, TransactionalId
-from ..protocol.states import UNRESOLVED_LEASE_STATES, LeaseState, TransactionalIdState, require_transition
+from ..protocol.states import TransactionalIdState, require_transition
 from .tables import attempts, checkpoints, events, leases, sinks, transactional_ids
 
 
@@ -218,11 +219,11 @@ def attempts_of_checkpoint(conn: Connection, checkpoint_id: int) -> list[Attempt
     return [as_attempt(r) for r in rows]
 
 
-def lease_in(*states: LeaseState) -> ColumnElement[bool]:
+def lease_in(*states: st.LeaseState) -> ColumnElement[bool]:
     """`state IN (states)`; for unresolved states also `resolved_at IS NULL` (the same rows, by
     the CHECK ck_leases_resolved), which lets the planner use the partial index ix_leases_unresolved."""
     in_states = leases.c.state.in_(sorted(s.value for s in states))
-    if set(states) <= UNRESOLVED_LEASE_STATES:
+    if set(states) <= st.UNRESOLVED_LEASE_STATES:
         return and_(leases.c.resolved_at.is_(None), in_states)
     return in_states
 

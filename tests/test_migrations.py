@@ -40,6 +40,9 @@ def test_indexes_for_the_hot_queries_exist(engine):
     # a resolved lease's id is found by its unique transactional_id: no index on lease_id (0007),
     # so leasing an id is a HOT update
     assert "ix_transactional_ids_lease_id" not in names
+    # no lease index covers `state`, so moves between unresolved states are HOT updates (0008)
+    assert all("state" not in ix["column_names"] and "state" not in str(ix.get("dialect_options", {}))
+               for ix in insp.get_indexes("leases")), insp.get_indexes("leases")
 
 
 def test_tables_updated_per_batch_leave_room_for_hot_updates(engine):

@@ -96,7 +96,7 @@ class CoordinatorBase:
         return repo.leases_where(
             conn,
             leases.c.checkpoint_id.in_(list(checkpoint_ids)),
-            leases.c.state.in_([s.value for s in ABORT_PENDING_STATES]),
+            repo.lease_in(*ABORT_PENDING_STATES),
         )
 
     def _result_from(self, sink: Sink, cp: Checkpoint, attempt: Attempt, checkpoint_leases: list[Lease]) -> CommitResult:

@@ -177,7 +177,7 @@ CHECKPOINT_STATES = ("OPEN", "COMMITTING", "LOST")
 
 
 def _sql_list(values: Iterable[str]) -> str:
-    # literals, not parameters: the planner matches them against the partial index ix_leases_unresolved
+    # literals, not parameters: the planner matches them against partial indexes
     return "(" + ", ".join(f"'{v}'" for v in values) + ")"
 
 
@@ -186,7 +186,7 @@ _OPEN_TRANSACTIONS = text(
     SELECT s.name, l.state, count(*) AS n,
            extract(epoch FROM now() - min(l.leased_at)) AS oldest_s
       FROM leases l JOIN sinks s ON s.id = l.sink_id
-     WHERE l.state IN {_sql_list(OPEN_STATES)}
+     WHERE l.resolved_at IS NULL AND l.state IN {_sql_list(OPEN_STATES)}
      GROUP BY s.name, l.state
     """
 )

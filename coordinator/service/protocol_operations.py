@@ -357,7 +357,7 @@ class ProtocolOperations(Reads):
         undecided = repo.leases_where(
             conn,
             leases.c.attempt_id.in_([a.id for a in aborted]),
-            leases.c.state.in_([s.value for s in UNDECIDED_LEASE_STATES]),
+            repo.lease_in(*UNDECIDED_LEASE_STATES),
             lock=True,
         )
         changed = repo.cas(conn, leases, [x.id for x in undecided], UNDECIDED_LEASE_STATES, LeaseState.ABORTING)

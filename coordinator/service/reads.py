@@ -58,7 +58,7 @@ class Reads(CoordinatorBase):
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             return repo.leases_where(
-                conn, leases.c.sink_id == sink.id, leases.c.state.in_([s.value for s in UNRESOLVED_LEASE_STATES])
+                conn, leases.c.sink_id == sink.id, repo.lease_in(*UNRESOLVED_LEASE_STATES)
             )
 
     def list_events(
@@ -129,7 +129,7 @@ class Reads(CoordinatorBase):
             cp_attempts = [repo.as_attempt(r) for r in conn.execute(
                 select(attempts).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
             )] if ids else []
-            unresolved = repo.leases_where(conn, leases.c.state.in_([s.value for s in UNRESOLVED_LEASE_STATES]))
+            unresolved = repo.leases_where(conn, repo.lease_in(*UNRESOLVED_LEASE_STATES))
         return [
             SinkOverview(
                 sink=sink,

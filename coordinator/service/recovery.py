@@ -37,6 +37,7 @@ from sqlalchemy import Engine, exists, literal, or_, select, text
 from ..kafka.control_plane import ControlPlaneError
 from ..protocol import recovery_rules
 from ..protocol.states import ABORT_PENDING_STATES, UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
+from ..store import repo
 from ..store.tables import attempts, checkpoints, leases, sinks
 from . import Coordinator, metrics
 from .broker_checks import record_lso_lag
@@ -77,9 +78,7 @@ _MS = text("interval '1 millisecond'")
 
 
 def _due_query(now: datetime) -> Any:
-    def lease_in(*states: LeaseState) -> Any:
-        return leases.c.state.in_([x.value for x in states])
-
+    lease_in = repo.lease_in  # with resolved_at IS NULL: the partial index ix_leases_unresolved
     finish = or_(
         exists().where(checkpoints.c.sink_id == sinks.c.id, checkpoints.c.state == CheckpointState.COMMITTING.value),
         exists().where(leases.c.sink_id == sinks.c.id, lease_in(LeaseState.COMMITTING)),  # winners of LOST ones

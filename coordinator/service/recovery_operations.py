@@ -33,7 +33,7 @@ class RecoveryOperations(Reads):
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             pending = repo.leases_where(
-                conn, leases.c.sink_id == sink.id, leases.c.state.in_([s.value for s in ABORT_PENDING_STATES])
+                conn, leases.c.sink_id == sink.id, repo.lease_in(*ABORT_PENDING_STATES)
             )
         return self._abort_on_kafka(name, pending)
 
@@ -51,7 +51,7 @@ class RecoveryOperations(Reads):
                 )
             ]
             committing = repo.leases_where(
-                conn, leases.c.sink_id == sink.id, leases.c.state == LeaseState.COMMITTING.value
+                conn, leases.c.sink_id == sink.id, repo.lease_in(LeaseState.COMMITTING)
             ) if candidates else []
         by_id = {c.id: c for c in candidates}
         out = FinishOutcome()
@@ -85,7 +85,7 @@ class RecoveryOperations(Reads):
             candidates = repo.leases_where(
                 conn,
                 leases.c.sink_id == sink.id,
-                leases.c.state.in_([x.value for x in UNDECIDED_LEASE_STATES]),
+                repo.lease_in(*UNDECIDED_LEASE_STATES),
                 leases.c.attempt_id.in_(open_attempts),
             )
             attempt_rows = [repo.attempt_by_id(conn, a) for a in {x.attempt_id for x in candidates}]
@@ -121,7 +121,7 @@ class RecoveryOperations(Reads):
             live = repo.leases_where(
                 conn,
                 leases.c.sink_id == sink.id,
-                leases.c.state.in_([LeaseState.PRECOMMITTED.value, LeaseState.COMMITTING.value]),
+                repo.lease_in(LeaseState.PRECOMMITTED, LeaseState.COMMITTING),
             )
             now = self.clock.now_in(conn)
             near = recovery_rules.near_timeout(live, now, sink.transaction_timeout_ms, fraction)

@@ -36,7 +36,7 @@ class RetirementOperations(CoordinatorBase):
                 committing_checkpoints=count(checkpoints, checkpoints.c.sink_id == sink.id,
                                              checkpoints.c.state == CheckpointState.COMMITTING.value),
                 unresolved_leases=count(leases, leases.c.sink_id == sink.id,
-                                        leases.c.state.in_([s.value for s in UNRESOLVED_LEASE_STATES])),
+                                        repo.lease_in(*UNRESOLVED_LEASE_STATES)),
             )
             if blockers:
                 raise e.Conflict(e.RETIREMENT_BLOCKED, f"sink {name!r} cannot be retired yet: " + "; ".join(blockers),

@@ -16,11 +16,13 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     ClauseElement,
+    ColumnElement,
     Connection,
     Row,
     Select,
     Table,
     Update,
+    and_,
     any_,
     bindparam,
     func,
@@ -33,6 +35,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from ..protocol import errors as e
+from ..protocol import states as st
 from ..protocol.invariants import Snapshot
 from ..protocol.model import Alert, Attempt, Checkpoint, Lease, Sink, TransactionalId
 from ..protocol.states import TransactionalIdState, require_transition
@@ -215,6 +218,15 @@ def attempt_by_id(conn: Connection, attempt_id: int, lock: str | None = None) ->
 def attempts_of_checkpoint(conn: Connection, checkpoint_id: int) -> list[Attempt]:
     rows = conn.execute(select(attempts).where(attempts.c.checkpoint_id == checkpoint_id).order_by(attempts.c.number))
     return [as_attempt(r) for r in rows]
+
+
+def lease_in(*states: st.LeaseState) -> ColumnElement[bool]:
+    """`state IN (states)`; for unresolved states also `resolved_at IS NULL` (the same rows, by
+    the CHECK ck_leases_resolved), which lets the planner use the partial index ix_leases_unresolved."""
+    in_states = leases.c.state.in_(sorted(s.value for s in states))
+    if set(states) <= st.UNRESOLVED_LEASE_STATES:
+        return and_(leases.c.resolved_at.is_(None), in_states)
+    return in_states
 
 
 def leases_where(conn: Connection, *conditions: Any, lock: bool = False) -> list[Lease]:

@@ -1034,3 +1034,31 @@ def test_sink_overviews_answer_as_the_per_sink_reads(coordinator: Coordinator, k
     assert busy.unresolved == [] and idle.recent == [] and idle.last_committed is None
     assert [(cp.query_id, cp.batch_id) for cp, _ in orders.recent] == [("q2", 0)]
     assert orders.last_committed is None and [x.state for x in orders.unresolved] == [LeaseState.PRECOMMITTED]
+
+
+def test_kafka_work_runs_at_most_kafka_parallelism_at_once_with_results_in_order(engine: Engine) -> None:
+    """_parallel (each lease's commit or abort on Kafka): every item once, answers in the items'
+    order, never more than kafka_parallelism at once."""
+    import time as _time
+
+    c = Coordinator(engine, RecordingControlPlane(), limits=Limits(kafka_parallelism=4))
+    running, peak, lock, seen = 0, 0, threading.Lock(), []
+
+    def work(x: int) -> int:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+            seen.append(x)
+        _time.sleep(0.3 if x == 0 else 0.01)
+        with lock:
+            running -= 1
+        return x * 10
+
+    try:
+        assert c._parallel(work, list(range(40))) == [x * 10 for x in range(40)]  # type: ignore[arg-type]
+        with pytest.raises(ZeroDivisionError):
+            c._parallel(lambda x: 1 // (x - 3), list(range(8)))  # type: ignore[arg-type,operator]
+    finally:
+        c.close()
+    assert sorted(seen) == list(range(40)) and peak == 4

@@ -292,8 +292,8 @@ class BeginOut(BaseModel):
             resumed=r.action == "resume",
             aborted=r.older_aborted,
             abort_pending=r.older_abort_pending,
-            pre_leases=[
-                PreLeaseOut(
+            pre_leases=[  # built from the store's rows: nothing to validate, P of them
+                PreLeaseOut.model_construct(
                     lease_id=x.id, partition=x.partition, transactional_id=x.transactional_id, leased_at=x.leased_at,
                     deadline_at=x.deadline_at, transaction_timeout_ms=_ms(x.deadline_at - x.leased_at),
                     age_ms=max(0, _ms(at - x.leased_at)) if at is not None else 0,
@@ -333,8 +333,8 @@ class CommitOut(BaseModel):
             batch_id=r.checkpoint.batch_id,
             state=r.checkpoint.state,
             attempt=r.attempt.number,
-            committed=[
-                CommittedPartition(
+            committed=[  # built from the store's rows: nothing to validate, P of them
+                CommittedPartition.model_construct(
                     partition=w.partition,
                     lease_id=w.id,
                     transactional_id=w.transactional_id,

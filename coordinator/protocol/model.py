@@ -13,17 +13,18 @@ from .states import AttemptState, CheckpointState, LeaseState, TransactionalIdSt
 
 class _Record:
     @classmethod
-    def from_mapping(cls, row: Any) -> Self:
-        """Build from a row mapping with the fields' names; a `state` column becomes its enum."""
-        values = {name: row[name] for name in _field_names(cls)}
+    def from_mapping(cls, row: Any, prefix: str = "") -> Self:
+        """Build from a row mapping with the fields' names (each after `prefix`, for one table's
+        columns in a joined row); a `state` column becomes its enum."""
+        values = {name: row[key] for name, key in _field_keys(cls, prefix)}
         if "state" in values:
             values["state"] = _state_type(cls)(values["state"])
         return cls(**values)
 
 
 @cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+def _field_keys(cls: type, prefix: str) -> tuple[tuple[str, str], ...]:
+    return tuple((f.name, prefix + f.name) for f in fields(cls))  # type: ignore[arg-type]
 
 
 @cache

@@ -13,7 +13,7 @@ compilation or result metadata per call, one psycopg prepared plan).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -29,22 +29,6 @@ from ..protocol.states import (
 )
 from .driver_sql import DriverStatement
 from .tables import attempts, checkpoints, leases, sinks
-
-
-class _Prefixed(Mapping[str, Any]):
-    """The columns of one table in a joined row, whose names carry the table's prefix."""
-
-    def __init__(self, row: Mapping[str, Any], prefix: str) -> None:
-        self._row, self._prefix = row, prefix
-
-    def __getitem__(self, key: str) -> Any:
-        return self._row[self._prefix + key]
-
-    def __iter__(self) -> Any:
-        return (k[len(self._prefix):] for k in self._row if k.startswith(self._prefix))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
 
 
 def _cols(table: Table, alias: str, prefix: str) -> str:
@@ -66,7 +50,7 @@ def sink_and_now(conn: Connection, name: str) -> tuple[Sink, datetime] | None:
     row = _SINK_AND_NOW.first(conn, {"name": name})
     if row is None:
         return None
-    return Sink.from_mapping(_Prefixed(row, "s_")), row["db_now"]
+    return Sink.from_mapping(row, "s_"), row["db_now"]
 
 
 # The checkpoint of the batch, created if new, locked either way (ON CONFLICT DO UPDATE locks the
@@ -126,7 +110,7 @@ def upsert_checkpoint(
     })
     return CheckpointHead(
         cp,
-        Attempt.from_mapping(_Prefixed(reads, "a_")) if reads["a_id"] is not None else None,
+        Attempt.from_mapping(reads, "a_") if reads["a_id"] is not None else None,
         list(reads["open_attempt_ids"] or ()),
         list(reads["unfinished_ids"] or ()),
         [EndedLease(int(a), LeaseState(s), t) for a, s, t in (reads["ended_leases"] or ())],
@@ -137,7 +121,8 @@ def upsert_checkpoint(
 # current attempt, one LEASED lease per partition (the i-th id to partition i; ids locked by the
 # caller's take_free_transactional_ids) and those ids handed to their leases (found by their unique
 # transactional_id: joining on an unnest() would be a nested loop). No event: the attempt row
-# (started_at) is the record of a plain begin; the batch's one event is its decision.
+# (started_at) is the record of a plain begin; the batch's one event is its decision. The answer is
+# the attempt's row, then one row per lease (FULL JOIN ON false: P rows do not repeat the attempt).
 _NEW_ATTEMPT = DriverStatement(f"""
 WITH a AS (
     INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at)
@@ -158,7 +143,7 @@ WITH a AS (
 SELECT {_cols(attempts, 'a', 'a_')}, {_cols(leases, 'l', 'l_')},
     (SELECT count(*) FROM c) AS checkpoints_updated,
     clock_timestamp() AS db_now
-FROM a LEFT JOIN l ON true ORDER BY l.partition
+FROM a FULL JOIN l ON false ORDER BY l.partition NULLS FIRST
 """)
 
 
@@ -183,8 +168,9 @@ def insert_attempt_with_leases(
     first = rows[0]
     if first["checkpoints_updated"] != 1:
         raise AssertionError("the checkpoint changed under begin's lock")
-    new_leases = [Lease.from_mapping(_Prefixed(r, "l_")) for r in rows if r["l_id"] is not None]
-    return NewAttempt(Attempt.from_mapping(_Prefixed(first, "a_")), new_leases, first["db_now"])
+    new_leases = [Lease.from_mapping(r, "l_") for r in rows if r["l_id"] is not None]
+    # each row reads the clock when it is produced: the latest is after every write
+    return NewAttempt(Attempt.from_mapping(first, "a_"), new_leases, max(r["db_now"] for r in rows))
 
 
 # --- commit: the decision -----------------------------------------------------------------------
@@ -208,10 +194,10 @@ def commit_head(conn: Connection, name: str, batch_id: int, number: int) -> tupl
     row = _COMMIT_HEAD.first(conn, {"name": name, "batch_id": batch_id, "number": number})
     if row is None:
         return None
-    sink = Sink.from_mapping(_Prefixed(row, "s_"))
+    sink = Sink.from_mapping(row, "s_")
     if sink.retired_at is not None:
         return None
-    return sink, Checkpoint.from_mapping(_Prefixed(row, "c_")), Attempt.from_mapping(_Prefixed(row, "a_"))
+    return sink, Checkpoint.from_mapping(row, "c_"), Attempt.from_mapping(row, "a_")
 
 
 # The attempt's leases, locked, and the database's clock read after the locks: the outer SELECT
@@ -229,7 +215,8 @@ def lock_attempt_leases(conn: Connection, attempt_id: int) -> tuple[list[Lease],
 
 
 # The decision: checkpoint and attempt OPEN -> COMMITTING, the winners whose pre-commit records
-# came with the commit LEASED -> COMMITTING with the records, and the commit_decided event.
+# came with the commit LEASED -> COMMITTING with the records, and the commit_decided event. The
+# answer is the checkpoint and attempt's row, then one row per winner (FULL JOIN ON false).
 _DECIDE = DriverStatement(f"""
 WITH c AS (
     UPDATE checkpoints SET state = 'COMMITTING', decided_at = :now, committed_attempt = :number
@@ -251,7 +238,7 @@ WITH c AS (
     SELECT :sink_id, :checkpoint_id, :now, 'commit_decided', :actor, CAST(:detail AS jsonb) FROM c, a
 )
 SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')}, {_cols(leases, 'w', 'w_')}
-FROM c CROSS JOIN a LEFT JOIN w ON true ORDER BY w.id
+FROM c CROSS JOIN a FULL JOIN w ON false ORDER BY w.id NULLS FIRST
 """)
 
 
@@ -275,10 +262,10 @@ def decide(
         "write_ms": [r.write_ms for _, r in records],
         "first_offsets": [json.dumps(r.first_offsets) if r.first_offsets is not None else None for _, r in records],
     })
-    if not rows:
+    if not rows or rows[0]["c_id"] is None or rows[0]["a_id"] is None:
         raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
-    winners = [Lease.from_mapping(_Prefixed(r, "w_")) for r in rows if r["w_id"] is not None]
-    return Checkpoint.from_mapping(_Prefixed(rows[0], "c_")), Attempt.from_mapping(_Prefixed(rows[0], "a_")), winners
+    winners = [Lease.from_mapping(r, "w_") for r in rows if r["w_id"] is not None]
+    return Checkpoint.from_mapping(rows[0], "c_"), Attempt.from_mapping(rows[0], "a_"), winners
 
 
 # --- commit: marking it committed after Kafka ---------------------------------------------------
@@ -354,4 +341,4 @@ def mark_checkpoint_committed(
     })
     if row is None:
         raise AssertionError("the checkpoint or attempt changed state under the checkpoint's lock")
-    return Checkpoint.from_mapping(_Prefixed(row, "c_")), Attempt.from_mapping(_Prefixed(row, "a_"))
+    return Checkpoint.from_mapping(row, "c_"), Attempt.from_mapping(row, "a_")

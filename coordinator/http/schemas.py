@@ -284,7 +284,8 @@ class BeginOut(BaseModel):
     @classmethod
     def of(cls, r: BeginResult) -> BeginOut:
         at = r.answered_at
-        return cls(
+        # one validation of plain dicts (in pydantic's core) is cheaper than P model objects
+        return cls.model_validate(dict(
             action="write" if r.must_write else "skip",
             batch_id=r.checkpoint.batch_id,
             state=r.checkpoint.state,
@@ -292,8 +293,8 @@ class BeginOut(BaseModel):
             resumed=r.action == "resume",
             aborted=r.older_aborted,
             abort_pending=r.older_abort_pending,
-            pre_leases=[  # built from the store's rows: nothing to validate, P of them
-                PreLeaseOut.model_construct(
+            pre_leases=[
+                dict(
                     lease_id=x.id, partition=x.partition, transactional_id=x.transactional_id, leased_at=x.leased_at,
                     deadline_at=x.deadline_at, transaction_timeout_ms=_ms(x.deadline_at - x.leased_at),
                     age_ms=max(0, _ms(at - x.leased_at)) if at is not None else 0,
@@ -301,7 +302,7 @@ class BeginOut(BaseModel):
                 for x in r.pre_leases
             ],
             **(r.lease_rules or {}),
-        )
+        ))
 
 
 def _ms(d: timedelta) -> int:
@@ -329,12 +330,12 @@ class CommitOut(BaseModel):
 
     @classmethod
     def of(cls, r: CommitResult) -> CommitOut:
-        return cls(
+        return cls.model_validate(dict(  # plain dicts: see BeginOut.of
             batch_id=r.checkpoint.batch_id,
             state=r.checkpoint.state,
             attempt=r.attempt.number,
-            committed=[  # built from the store's rows: nothing to validate, P of them
-                CommittedPartition.model_construct(
+            committed=[
+                dict(
                     partition=w.partition,
                     lease_id=w.id,
                     transactional_id=w.transactional_id,
@@ -348,7 +349,7 @@ class CommitOut(BaseModel):
             aborted=r.aborts.aborted,
             abort_pending=r.aborts.pending,
             warnings=r.warnings,
-        )
+        ))
 
 
 class AbortOut(BaseModel):

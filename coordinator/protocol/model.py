@@ -19,7 +19,11 @@ class _Record:
         values = {name: row[key] for name, key in _field_keys(cls, prefix)}
         if "state" in values:
             values["state"] = _state_type(cls)(values["state"])
-        return cls(**values)
+        # every field comes from the row: set them as the generated __init__ would, without its
+        # frozen per-field setattr (5x slower; a P=200 batch builds ~800 leases)
+        record = object.__new__(cls)
+        record.__dict__.update(values)
+        return record
 
 
 @cache

@@ -4,8 +4,9 @@ The protocol's common path sends a handful of fixed statements per call, and SQL
 execution and result layers cost more than psycopg itself for each of them: an execution context,
 and a result whose metadata is rebuilt from the cursor's description (a psycopg `Column` per
 column, ~20 of them for the joined rows) at every execution. `DriverStatement.rows` skips both: it
-runs the statement, prepared, on the same DBAPI connection (so inside the caller's transaction) and
-answers plain dicts. What SQLAlchemy would otherwise do for us is kept:
+runs the statement on the same DBAPI connection (so inside the caller's transaction; psycopg
+prepares it after its `prepare_threshold` executions, as it did under SQLAlchemy) and answers
+plain dicts. What SQLAlchemy would otherwise do for us is kept:
 
 - the `before_cursor_execute` listeners still fire (the simulation's fault points, the statement
   counters of benchmarks and tests);
@@ -44,7 +45,7 @@ class DriverStatement:
         with raw.cursor(row_factory=tuple_row) as cur:
             conn.dispatch.before_cursor_execute(conn, cur, self.sql, params, None, False)
             try:
-                cur.execute(self.sql, params, prepare=True)
+                cur.execute(self.sql, params)  # prepared by psycopg once it is seen repeating
             except psycopg.Error as exc:
                 # SQLAlchemy's own handler (what Connection.execute calls): wraps the error, and on a
                 # dead connection invalidates it and the pool's older connections, as for any statement

@@ -82,3 +82,11 @@ def now_from(clock: Clock, conn: Connection, read: datetime | None) -> datetime:
     if read is not None and isinstance(clock, (DatabaseClock, SystemClock)):
         return _aware(read)
     return clock.now_in(conn)
+
+
+def given_now(clock: Clock, conn: Connection) -> datetime | None:
+    """For a statement that reads the database's clock itself: None when the protocol's clock is
+    the database's (the statement's read is it), else the clock's time to use instead."""
+    if isinstance(clock, (DatabaseClock, SystemClock)):
+        return None
+    return clock.now_in(conn)

@@ -23,7 +23,7 @@ from ..protocol import rules
 from ..protocol.model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PartitionResult, Sink
 from ..protocol.rules import BeginAction, PrecommitRequest
 from ..protocol.states import LOST_LEASE_STATES, UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
-from .clock import now_from
+from .clock import given_now, now_from
 from ..store import hot_path, repo
 from ..store.hot_path import NewAttempt
 from ..store.tables import attempts, checkpoints, generations, leases, sinks
@@ -217,18 +217,19 @@ class ProtocolOperations(Reads):
         def step(conn: Connection) -> tuple[BeginAction, Checkpoint, Attempt | None, list[Lease], list[int], list[Any]]:
             mismatch.clear()
             fresh.clear()
-            found = hot_path.sink_and_now(conn, name)
-            if found is None or found[0].retired_at is not None:
+            # the sink, and the checkpoint (created if new, locked) with what the rest of this step
+            # reads; a refusal below rolls a new checkpoint back
+            found = hot_path.begin_head(conn, name, batch_id, given_now(self.clock, conn), offsets_digest)
+            if found is None or found.sink.retired_at is not None:
                 repo.sink_by_name(conn, name)  # raises the error that says which
                 raise AssertionError("unreachable")
-            sink, db_now = found
+            sink, head = found.sink, found.head
             rules.check_generation(sink.generation, generation)
             rules.check_not_halted(sink)  # lost data: no new batch until an operator acknowledges
             if sink.lineage_query_id is None:  # only after a lineage reset, before a new start
                 raise e.Conflict(e.LINEAGE_NOT_BOUND, "no query is bound to this sink; start a generation first")
-            now = now_from(self.clock, conn, db_now)
-            # the checkpoint (created if new, locked) and what the rest of this step reads
-            head = hot_path.upsert_checkpoint(conn, sink, batch_id, now, offsets_digest)
+            assert head is not None  # a live sink with a query bound gets its checkpoint
+            now = now_from(self.clock, conn, found.db_now)
             cp, latest = head.checkpoint, head.latest
             try:
                 rules.check_offsets(cp.offsets_digest, offsets_digest, batch_id)

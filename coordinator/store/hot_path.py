@@ -42,33 +42,40 @@ def _names(table: Table) -> str:
 # --- begin --------------------------------------------------------------------------------------
 
 
-_SINK_AND_NOW = DriverStatement(f"SELECT {_cols(sinks, 's', 's_')}, clock_timestamp() AS db_now FROM sinks AS s WHERE s.name = :name")
-
-
-def sink_and_now(conn: Connection, name: str) -> tuple[Sink, datetime] | None:
-    """The sink and the database's clock, in one round trip (None if there is no such sink)."""
-    row = _SINK_AND_NOW.first(conn, {"name": name})
-    if row is None:
-        return None
-    return Sink.from_mapping(row, "s_"), row["db_now"]
-
-
-# The checkpoint of the batch, created if new, locked either way (ON CONFLICT DO UPDATE locks the
-# existing row as FOR UPDATE would, and returns its latest version after waiting for a lock); the
-# offsets digest is bound at the first begin that names it (COALESCE keeps a bound one, so the
-# caller's check sees the bound digest).
-_UPSERT_CHECKPOINT = DriverStatement("""
-INSERT INTO checkpoints AS c (sink_id, query_id, batch_id, state, current_attempt, created_at, offsets_digest)
-VALUES (:sink_id, :query_id, :batch_id, 'OPEN', 0, :now, :offsets_digest)
-ON CONFLICT (sink_id, query_id, batch_id)
-DO UPDATE SET offsets_digest = COALESCE(c.offsets_digest, EXCLUDED.offsets_digest)
-RETURNING c.*
+# Begin's first statement: the sink, the clock, and the checkpoint of the batch created if new or
+# locked if not (ON CONFLICT DO UPDATE locks the existing row as FOR UPDATE would, and returns its
+# latest version after waiting for a lock). The offsets digest is bound at the first begin that
+# names it (COALESCE keeps a bound one, so the caller's check sees the bound digest). A sink that
+# takes no batch (retired, or no query bound) gets no checkpoint: the caller raises, and any
+# other refusal (generation, halt) rolls the insert back. For a new checkpoint the statement also
+# reads what the rest of begin needs (no attempt and no lease of its own yet); for an existing one
+# the caller reads that in a statement of its own, whose snapshot is taken after the lock.
+# `inserted` is PostgreSQL's xmax = 0 of the returned version: set by ON CONFLICT's lock otherwise.
+_BEGIN_HEAD = DriverStatement(f"""
+WITH s AS (
+    SELECT *, clock_timestamp() AS db_now FROM sinks WHERE name = :name
+), c AS (
+    INSERT INTO checkpoints AS c (sink_id, query_id, batch_id, state, current_attempt, created_at, offsets_digest)
+    SELECT s.id, s.lineage_query_id, :batch_id, 'OPEN', 0, COALESCE(CAST(:now AS timestamptz), s.db_now),
+           :offsets_digest
+    FROM s WHERE s.retired_at IS NULL AND s.lineage_query_id IS NOT NULL
+    ON CONFLICT (sink_id, query_id, batch_id)
+    DO UPDATE SET offsets_digest = COALESCE(c.offsets_digest, EXCLUDED.offsets_digest)
+    RETURNING c.*, c.xmax = 0 AS inserted
+)
+SELECT {_cols(sinks, 's', 's_')}, s.db_now, {_cols(checkpoints, 'c', 'c_')}, c.inserted,
+    (SELECT array_agg(o.id ORDER BY o.id) FROM attempts AS o
+     WHERE o.sink_id = s.id AND o.state = 'OPEN' AND o.finished_at IS NULL) AS open_attempt_ids,
+    (SELECT array_agg(u.id ORDER BY u.id) FROM checkpoints AS u
+     WHERE u.sink_id = s.id AND u.state = 'COMMITTING') AS unfinished_ids
+FROM s LEFT JOIN c ON true
 """)
 
-# What the rest of begin reads, unlocked, in a statement of its own (its snapshot is taken after
-# the checkpoint's lock was granted, so it sees what the lock's previous holder committed): the
-# latest attempt, the sink's OPEN attempts (to abort: the caller then locks them), decided
-# commits of other batches still finishing, and the checkpoint's aborted or aborting leases.
+# What the rest of begin reads for an existing checkpoint, unlocked, in a statement of its own (its
+# snapshot is taken after the checkpoint's lock was granted, so it sees what the lock's previous
+# holder committed): the latest attempt, the sink's OPEN attempts (to abort: the caller then locks
+# them), decided commits of other batches still finishing, and the checkpoint's aborted or
+# aborting leases.
 _BEGIN_READS = DriverStatement(f"""
 SELECT {_cols(attempts, 'a', 'a_')},
     (SELECT array_agg(o.id ORDER BY o.id) FROM attempts AS o
@@ -97,14 +104,33 @@ class CheckpointHead(NamedTuple):
     ended_leases: list[EndedLease]
 
 
-def upsert_checkpoint(
-    conn: Connection, sink: Sink, batch_id: int, now: datetime, offsets_digest: str | None
-) -> CheckpointHead:
-    row = _UPSERT_CHECKPOINT.one(conn, {
-        "sink_id": sink.id, "query_id": sink.lineage_query_id, "batch_id": batch_id, "now": now,
-        "offsets_digest": offsets_digest,
-    })
-    cp = Checkpoint.from_mapping(row)
+class BeginHead(NamedTuple):
+    sink: Sink
+    db_now: datetime  # the database's clock, read before the checkpoint's lock
+    head: CheckpointHead | None  # None: the sink takes no batch (retired, or no query bound)
+
+
+def begin_head(
+    conn: Connection, name: str, batch_id: int, now: datetime | None, offsets_digest: str | None
+) -> BeginHead | None:
+    """The sink, the clock and the batch's checkpoint (created or locked) with what begin reads
+    next; None if there is no such sink. `now` is the checkpoint's creation time when the clock is
+    not the database's (None: the statement's clock)."""
+    row = _BEGIN_HEAD.first(conn, {"name": name, "batch_id": batch_id, "now": now, "offsets_digest": offsets_digest})
+    if row is None:
+        return None
+    sink = Sink.from_mapping(row, "s_")
+    if row["c_id"] is None:
+        return BeginHead(sink, row["db_now"], None)
+    cp = Checkpoint.from_mapping(row, "c_")
+    if row["inserted"]:
+        head = CheckpointHead(cp, None, list(row["open_attempt_ids"] or ()), list(row["unfinished_ids"] or ()), [])
+    else:
+        head = _existing_checkpoint_head(conn, sink, cp)
+    return BeginHead(sink, row["db_now"], head)
+
+
+def _existing_checkpoint_head(conn: Connection, sink: Sink, cp: Checkpoint) -> CheckpointHead:
     reads = _BEGIN_READS.one(conn, {
         "sink_id": sink.id, "checkpoint_id": cp.id, "current_attempt": cp.current_attempt,
     })
@@ -202,7 +228,9 @@ def commit_head(conn: Connection, name: str, batch_id: int, number: int) -> tupl
 
 # The attempt's leases, locked, and the database's clock read after the locks: the outer SELECT
 # evaluates clock_timestamp() for a row only once the CTE has locked it, so the last row's time
-# is after every lock (the caller takes the latest).
+# is after every lock (the caller takes the latest). Not part of _COMMIT_HEAD's statement: a
+# statement's snapshot is taken before its lock waits, so a retry's lease inserted by the
+# transaction the attempt's lock waited for would be missed (and its transaction left open).
 _LOCK_ATTEMPT_LEASES = DriverStatement(f"""
 WITH l AS (SELECT * FROM leases WHERE attempt_id = :attempt_id ORDER BY id FOR UPDATE)
 SELECT {_names(leases)}, clock_timestamp() AS db_now FROM l ORDER BY id

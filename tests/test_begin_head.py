@@ -1,0 +1,90 @@
+"""Begin's first statement (`hot_path.begin_head`): for a new batch it creates the checkpoint and
+reads what the rest of begin needs in one round trip; for an existing checkpoint it locks the row
+and reads the rest in a statement of its own, whose snapshot is taken after the lock (so a retried
+or resumed begin sees its attempt and leases). Real Postgres, the database's clock."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+from sqlalchemy import Engine, event, select
+
+from coordinator.kafka.control_plane import RecordingControlPlane
+from coordinator.protocol import errors as e
+from coordinator.protocol.model import PartitionResult, PrecommitRecord
+from coordinator.protocol.rules import BeginAction
+from coordinator.service import Coordinator, SinkSpec
+from coordinator.service.clock import DatabaseClock
+from coordinator.store import hot_path
+from coordinator.store.tables import checkpoints
+
+NAME = "orders"
+
+
+@pytest.fixture
+def db_clock_coordinator(engine: Engine) -> Iterator[Coordinator]:
+    c = Coordinator(engine, RecordingControlPlane(), clock=DatabaseClock(engine))
+    c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
+    yield c
+    c.close()
+
+
+def _statements(engine: Engine) -> list[str]:
+    seen: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        seen.append(" ".join(statement.split())[:60])
+
+    event.listen(engine, "before_cursor_execute", before)
+    return seen
+
+
+def test_a_new_batch_is_created_and_read_in_one_statement_an_existing_one_in_two(
+    db_clock_coordinator: Coordinator, engine: Engine
+) -> None:
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    open_one = c.begin_checkpoint(NAME, 1, gen, "test", partitions=2)  # left open: batch 2's begin supersedes it
+
+    seen = _statements(engine)
+    with engine.begin() as conn:
+        new = hot_path.begin_head(conn, NAME, 2, None, "digest-2")
+    assert len(seen) == 1, seen
+    assert new is not None and new.head is not None
+    assert new.head.checkpoint.batch_id == 2 and new.head.checkpoint.offsets_digest == "digest-2"
+    assert new.head.latest is None and new.head.ended_leases == []
+    assert new.head.open_attempt_ids == [open_one.attempt.id]  # read in the same statement
+    assert new.head.checkpoint.created_at == new.db_now  # the statement's own clock
+
+    seen.clear()
+    with engine.begin() as conn:
+        again = hot_path.begin_head(conn, NAME, 1, None, None)
+    assert len(seen) == 2, seen  # ON CONFLICT took the lock; the reads come after it
+    assert again is not None and again.head is not None
+    assert again.head.latest is not None and again.head.latest.id == open_one.attempt.id
+    assert again.head.open_attempt_ids == [open_one.attempt.id]
+
+
+def test_begin_through_the_service_new_retried_and_refused(db_clock_coordinator: Coordinator, engine: Engine) -> None:
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    first = c.begin_checkpoint(NAME, 7, gen, "test", partitions=2, offsets_digest="d7")
+    assert first.action is BeginAction.NEW_ATTEMPT and len(first.pre_leases) == 2
+    assert first.checkpoint.created_at == first.attempt.started_at  # one time for the whole begin
+    retried = c.begin_checkpoint(NAME, 7, gen, "test", partitions=2, offsets_digest="d7")
+    assert retried.action is BeginAction.CONTINUE
+    assert [x.id for x in retried.pre_leases] == [x.id for x in first.pre_leases]
+
+    # a refused begin (a stale generation) leaves no checkpoint behind for a new batch
+    newer, _ = c.start_generation(NAME, "q1", "r2", "test")
+    with pytest.raises(e.Conflict):
+        c.begin_checkpoint(NAME, 8, gen, "test", partitions=2)
+    with engine.connect() as conn:
+        assert conn.execute(select(checkpoints.c.batch_id)).scalars().all() == [7]
+
+    results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50)) for x in first.pre_leases]
+    with pytest.raises(e.Conflict):  # the old generation is fenced at commit too
+        c.commit(NAME, 7, first.attempt.number, gen, results, "test")
+    resumed = c.begin_checkpoint(NAME, 7, newer, "test", partitions=2, offsets_digest="d7")
+    assert resumed.checkpoint.batch_id == 7 and resumed.attempt is not None

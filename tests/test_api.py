@@ -154,10 +154,10 @@ def test_full_cycle(admin: ProtocolClient, coordinator: Coordinator, kafka: Reco
     # the next batch reuses the pool: every id was resolved, none is new
     b1 = w.begin(SINK, 1, gen)
     assert b1["action"] == "write" and b1["attempt"] == 1
-    l = w.lease(SINK, 1, 1, gen, partition=0, task_attempt_id=300)
-    assert l["transactional_id"] == f"{PREFIX}-0"
-    w.precommit(SINK, l["lease_id"], gen, producer_id=7003)
-    assert w.commit(SINK, 1, 1, gen, {0: l["lease_id"]})["state"] == "COMMITTED"
+    lease = w.lease(SINK, 1, 1, gen, partition=0, task_attempt_id=300)
+    assert lease["transactional_id"] == f"{PREFIX}-0"
+    w.precommit(SINK, lease["lease_id"], gen, producer_id=7003)
+    assert w.commit(SINK, 1, 1, gen, {0: lease["lease_id"]})["state"] == "COMMITTED"
     assert [c["batch_id"] for c in w.request("GET", f"/v1/sinks/{SINK}/checkpoints")] == [1, 0]
 
     snap = coordinator.snapshot()

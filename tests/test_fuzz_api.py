@@ -111,7 +111,7 @@ def fuzz(
         # batches of fresh random examples until this run's share of the budget is spent (one at least)
         failures_before = len(report.failures)
         while len(report.failures) - failures_before < 3:  # a broken operation: enough said, go on
-            t0 = time.monotonic(); n0 = report.requests
+            t0, n0 = time.monotonic(), report.requests
             try:
                 run()
             except Unsatisfiable:  # negative mode for an operation with nothing to negate (no parameters)

@@ -247,7 +247,7 @@ def test_options_are_checked_with_messages_that_say_what_to_fix(service: Service
 
 
 def test_the_client_retries_until_the_coordinator_answers_and_explains_refusals(
-    module_database_url: str, tmp_path: Path
+    module_database_url: str, tmp_path: Path  # noqa: F811 - the fixture imported above
 ) -> None:
     """Connection refused (the service is not up yet) is retried with backoff until it answers;
     a 4xx is not retried and says what to do; an unreachable service fails within the budget."""

@@ -186,23 +186,26 @@ class CoordinatorBase:
         committed_detail = dict(batch_id=cp.batch_id, attempt=attempt.number, by=finished_by)
 
         def record_all_committed(conn: Connection) -> CommitResult | None:
-            """record() when Kafka committed every pending winner: the same writes in 3 statements."""
+            """record() when Kafka committed every pending winner: the same writes in 2 statements."""
             outcome.clear()
             locked, db_now = hot_path.lock_checkpoint(conn, cp.id)
             now = now_from(self.clock, conn, db_now)
-            _, checkpoint_leases = hot_path.mark_winners_committed(conn, cp.id, [x.id for x in pending], now)
+            checkpoint_leases, marked = hot_path.mark_committed(
+                conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, done=[x.id for x in pending],
+                now=now, finish=locked.state is CheckpointState.COMMITTING,
+                event_actor=RECOVERY_ACTOR if finished_by else None, event_detail=committed_detail,
+            )
             still_committing = any(
                 x.attempt_id == attempt.id and x.state is LeaseState.COMMITTING for x in checkpoint_leases
             )
             outcome["checkpoint"] = locked
+            if (marked is not None) != (locked.state is CheckpointState.COMMITTING and not still_committing):
+                raise AssertionError("the checkpoint or attempt changed state under the checkpoint's lock")
             if locked.state is CheckpointState.LOST:
                 return None
             final_cp, final_attempt = locked, attempt
-            if locked.state is CheckpointState.COMMITTING and not still_committing:
-                final_cp, final_attempt = hot_path.mark_checkpoint_committed(
-                    conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, now=now,
-                    event_actor=RECOVERY_ACTOR if finished_by else None, event_detail=committed_detail,
-                )
+            if marked is not None:
+                final_cp, final_attempt = marked
                 outcome["committed_now"] = True
             elif locked.state is CheckpointState.COMMITTED:
                 final_attempt = repo.attempt_by_id(conn, attempt.id)

@@ -1,7 +1,13 @@
-"""Begin's first statement (`hot_path.begin_head`): for a new batch it creates the checkpoint and
-reads what the rest of begin needs in one round trip; for an existing checkpoint it locks the row
-and reads the rest in a statement of its own, whose snapshot is taken after the lock (so a retried
-or resumed begin sees its attempt and leases). Real Postgres, the database's clock."""
+"""Statements of the hot path that do several steps at once (coordinator/store/hot_path.py).
+
+- Begin's first statement (`begin_head`): for a new batch it creates the checkpoint and reads what
+  the rest of begin needs in one round trip; for an existing checkpoint it locks the row and reads
+  the rest in a statement of its own, whose snapshot is taken after the lock (so a retried or
+  resumed begin sees its attempt and leases).
+- The committed mark after Kafka (`mark_committed`): the winners, and the checkpoint when none of
+  its winners is left COMMITTING, in one statement whose guard must agree with the service's rule.
+
+Real Postgres, the database's clock."""
 
 from __future__ import annotations
 
@@ -10,10 +16,11 @@ from typing import Any, Iterator
 import pytest
 from sqlalchemy import Engine, event, select
 
-from coordinator.kafka.control_plane import RecordingControlPlane
+from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane
 from coordinator.protocol import errors as e
 from coordinator.protocol.model import PartitionResult, PrecommitRecord
 from coordinator.protocol.rules import BeginAction
+from coordinator.protocol.states import CheckpointState, LeaseState
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.service.clock import DatabaseClock
 from coordinator.store import hot_path
@@ -23,8 +30,13 @@ NAME = "orders"
 
 
 @pytest.fixture
-def db_clock_coordinator(engine: Engine) -> Iterator[Coordinator]:
-    c = Coordinator(engine, RecordingControlPlane(), clock=DatabaseClock(engine))
+def kafka() -> RecordingControlPlane:
+    return RecordingControlPlane()
+
+
+@pytest.fixture
+def db_clock_coordinator(engine: Engine, kafka: RecordingControlPlane) -> Iterator[Coordinator]:
+    c = Coordinator(engine, kafka, clock=DatabaseClock(engine))
     c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
     yield c
     c.close()
@@ -88,3 +100,43 @@ def test_begin_through_the_service_new_retried_and_refused(db_clock_coordinator:
         c.commit(NAME, 7, first.attempt.number, gen, results, "test")
     resumed = c.begin_checkpoint(NAME, 7, newer, "test", partitions=2, offsets_digest="d7")
     assert resumed.checkpoint.batch_id == 7 and resumed.attempt is not None
+
+
+def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
+    db_clock_coordinator: Coordinator, kafka: RecordingControlPlane, engine: Engine
+) -> None:
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+
+    def winners_of(batch_id: int) -> tuple[int, list[PartitionResult]]:
+        begun = c.begin_checkpoint(NAME, batch_id, gen, "test", partitions=2)
+        return begun.attempt.number, [
+            PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50)) for x in begun.pre_leases]
+
+    number, results = winners_of(1)
+    seen = _statements(engine)
+    assert c.commit(NAME, 1, number, gen, results, "test").checkpoint.state is CheckpointState.COMMITTED
+    # the decision's transaction (head, leases, decision), then the mark's (lock, mark)
+    assert [x.split()[0] for x in seen][-2:] == ["SELECT", "WITH"] and len(seen) == 5, seen
+
+    # Kafka commits one winner and not yet the other: the checkpoint stays COMMITTING
+    number, results = winners_of(2)
+    kafka.fail_next(ControlPlaneError("broker unreachable", retriable=True, code="network_exception"))
+    with pytest.raises(e.Unavailable):  # decided; one winner still to commit on Kafka
+        c.commit(NAME, 2, number, gen, results, "test")
+    detail = c.checkpoint_detail(NAME, 2)
+    cp, leases = detail.checkpoint, detail.leases
+    with engine.begin() as conn:
+        assert sorted(x.state for x in leases) == [LeaseState.COMMITTED, LeaseState.COMMITTING]
+        left = next(x for x in leases if x.state is LeaseState.COMMITTING)
+        done = next(x for x in leases if x.state is LeaseState.COMMITTED)
+        # the guard: naming only the winner already committed marks nothing
+        now = c.clock.now_in(conn)
+        kept = hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
+                                       done=[done.id], now=now, finish=True, event_actor=None, event_detail={})
+        assert kept.marked is None and {x.id: x.state for x in kept.leases}[left.id] is LeaseState.COMMITTING
+        marked = hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
+                                         done=[left.id], now=now, finish=True, event_actor="recovery",
+                                         event_detail={"by": "test"})
+        assert marked.marked is not None and marked.marked[0].state is CheckpointState.COMMITTED
+        assert all(x.state is LeaseState.COMMITTED for x in marked.leases)

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import Engine, event, text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from coordinator.protocol.model import PartitionResult, PrecommitRecord
+from coordinator.protocol.model import Lease, PartitionResult, PrecommitRecord
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.store.driver_sql import DriverStatement
 
@@ -27,7 +27,7 @@ def _cycle(c: Coordinator, generation: int, batch_id: int) -> None:
 def test_parameters_rows_and_casts(engine: Engine) -> None:
     stmt = DriverStatement("SELECT :a::int + 1 AS b, CAST(:xs AS int[]) AS xs, 'x:y' AS literal")
     with engine.begin() as conn:
-        assert stmt.rows(conn, {"a": "41", "xs": [1, 2]}) == [{"b": 42, "xs": [1, 2], "literal": "x:y"}]
+        assert [r.as_dict() for r in stmt.rows(conn, {"a": "41", "xs": [1, 2]})] == [{"b": 42, "xs": [1, 2], "literal": "x:y"}]
         assert DriverStatement("SELECT 1 AS one WHERE false").first(conn, {}) is None
         with pytest.raises(AssertionError):
             DriverStatement("SELECT generate_series(1, 2) AS n").one(conn, {})
@@ -41,7 +41,7 @@ def test_an_error_is_sqlalchemys_of_the_same_kind_and_the_transaction_rolls_back
     insert = DriverStatement("INSERT INTO t VALUES (:id) RETURNING id")
     with pytest.raises(IntegrityError) as caught:
         with engine.begin() as conn:
-            assert insert.rows(conn, {"id": 1}) == [{"id": 1}]
+            assert [r["id"] for r in insert.rows(conn, {"id": 1})] == [1]
             insert.rows(conn, {"id": 1})
     assert caught.value.orig.sqlstate == "23505" and not caught.value.connection_invalidated
     with engine.connect() as conn:
@@ -87,3 +87,20 @@ def test_a_dead_connection_is_reported_as_invalidated(engine: Engine) -> None:
         with pytest.raises(DBAPIError) as caught:
             DriverStatement("SELECT 1 AS one").rows(victim, {})
     assert caught.value.connection_invalidated
+
+
+def test_rows_are_read_by_name_and_records_built_by_position_match_those_built_by_name(engine: Engine) -> None:
+    c = Coordinator(engine, None)
+    c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
+    generation, _ = c.start_generation(NAME, "q", "r", "test")
+    c.begin_checkpoint(NAME, 1, generation, "test", partitions=2)
+    joined = DriverStatement("SELECT 7 AS x_id, l.id AS l_id, l.* FROM leases AS l ORDER BY l.id")
+    with engine.begin() as conn:
+        rows = joined.rows(conn, {})
+    assert len(rows) == 2 and rows[0]["x_id"] == 7 and rows[0][0] == 7 and rows[1]["l_id"] > rows[0]["l_id"]
+    with pytest.raises(KeyError):
+        rows[0]["no_such_column"]
+    by_position = [Lease.from_mapping(r) for r in rows]
+    by_name = [Lease.from_mapping(r.as_dict()) for r in rows]
+    assert by_position == by_name and [x.partition for x in by_position] == [0, 1]
+    assert by_position[0].state.value == "LEASED" and by_position[0].id == rows[0]["l_id"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from datetime import datetime
 from functools import cache
+from operator import itemgetter
 from typing import Any, Self, get_type_hints
 
 from .states import AttemptState, CheckpointState, LeaseState, TransactionalIdState
@@ -15,8 +16,15 @@ class _Record:
     @classmethod
     def from_mapping(cls, row: Any, prefix: str = "") -> Self:
         """Build from a row mapping with the fields' names (each after `prefix`, for one table's
-        columns in a joined row); a `state` column becomes its enum."""
-        values = {name: row[key] for name, key in _field_keys(cls, prefix)}
+        columns in a joined row); a `state` column becomes its enum. A positional row whose type
+        maps column names to positions (`columns`, as the store's driver rows do) is read by
+        position, with the positions worked out once per row type."""
+        positions = getattr(type(row), "columns", None)
+        if positions is not None:
+            names, get = _positional(cls, prefix, type(row))
+            values = dict(zip(names, get(tuple(row))))  # a plain tuple: itemgetter at C speed
+        else:
+            values = {name: row[key] for name, key in _field_keys(cls, prefix)}
         if "state" in values:
             values["state"] = _state_type(cls)(values["state"])
         # every field comes from the row: set them as the generated __init__ would, without its
@@ -29,6 +37,14 @@ class _Record:
 @cache
 def _field_keys(cls: type, prefix: str) -> tuple[tuple[str, str], ...]:
     return tuple((f.name, prefix + f.name) for f in fields(cls))  # type: ignore[arg-type]
+
+
+@cache
+def _positional(cls: type, prefix: str, row_type: type) -> tuple[tuple[str, ...], Any]:
+    keys = _field_keys(cls, prefix)
+    positions = [row_type.columns[key] for _, key in keys]  # type: ignore[attr-defined]
+    getter = itemgetter(*positions)
+    return tuple(name for name, _ in keys), (getter if len(positions) > 1 else lambda row: (getter(row),))
 
 
 @cache

@@ -6,7 +6,8 @@ and a result whose metadata is rebuilt from the cursor's description (a psycopg 
 column, ~20 of them for the joined rows) at every execution. `DriverStatement.rows` skips both: it
 runs the statement on the same DBAPI connection (so inside the caller's transaction; psycopg
 prepares it after its `prepare_threshold` executions, as it did under SQLAlchemy) and answers
-plain dicts. What SQLAlchemy would otherwise do for us is kept:
+psycopg's tuples, readable by column name (`Row`). What SQLAlchemy would otherwise do for us is
+kept:
 
 - the `before_cursor_execute` listeners still fire (the simulation's fault points, the statement
   counters of benchmarks and tests);
@@ -19,13 +20,37 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from functools import lru_cache
+from typing import Any, ClassVar
 
 import psycopg
 from psycopg.rows import tuple_row
 from sqlalchemy import Connection
 
 _BIND = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+class Row(tuple):  # type: ignore[type-arg]
+    """A result row: the tuple psycopg fetched, which also answers `row["column"]`. Each result's
+    rows share a subclass whose `columns` maps names to positions (records are built from rows by
+    position: `_Record.from_mapping`), so a row costs no dict of its own."""
+
+    __slots__ = ()
+    columns: ClassVar[dict[str, int]] = {}
+
+    def __getitem__(self, key: Any) -> Any:
+        if type(key) is str:
+            return tuple.__getitem__(self, self.columns[key])
+        return tuple.__getitem__(self, key)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: tuple.__getitem__(self, i) for name, i in self.columns.items()}
+
+
+@lru_cache(maxsize=512)
+def _row_type(names: tuple[str, ...]) -> type[Row]:
+    """One Row subclass per column list (the hot path has a few fixed ones)."""
+    return type("Row", (Row,), {"__slots__": (), "columns": {name: i for i, name in enumerate(names)}})
 
 
 class DriverStatement:
@@ -38,8 +63,8 @@ class DriverStatement:
             raise ValueError("a driver statement must not contain '%' (psycopg's placeholder character)")
         self.sql = _BIND.sub(r"%(\1)s", sql)
 
-    def rows(self, conn: Connection, params: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Execute in conn's transaction; every result row as a dict keyed by column name."""
+    def rows(self, conn: Connection, params: Mapping[str, Any]) -> list[Row]:
+        """Execute in conn's transaction; every result row (readable by column name)."""
         raw = conn.connection.driver_connection
         assert isinstance(raw, psycopg.Connection), "the coordinator runs on psycopg 3"
         with raw.cursor(row_factory=tuple_row) as cur:
@@ -54,14 +79,14 @@ class DriverStatement:
             result = cur.pgresult
             if result is None or result.nfields == 0:
                 return []
-            names = [result.fname(i).decode() for i in range(result.nfields)]  # type: ignore[union-attr]
-            return [dict(zip(names, row)) for row in cur.fetchall()]
+            row_type = _row_type(tuple(result.fname(i).decode() for i in range(result.nfields)))  # type: ignore[union-attr]
+            return list(map(row_type, cur.fetchall()))
 
-    def first(self, conn: Connection, params: Mapping[str, Any]) -> dict[str, Any] | None:
+    def first(self, conn: Connection, params: Mapping[str, Any]) -> Row | None:
         rows = self.rows(conn, params)
         return rows[0] if rows else None
 
-    def one(self, conn: Connection, params: Mapping[str, Any]) -> dict[str, Any]:
+    def one(self, conn: Connection, params: Mapping[str, Any]) -> Row:
         rows = self.rows(conn, params)
         if len(rows) != 1:
             raise AssertionError(f"expected exactly one row, got {len(rows)}")

@@ -53,6 +53,7 @@ def create_app_from_env() -> FastAPI:
             settings.dashboard_viewer_token.get_secret_value() if settings.dashboard_viewer_token else None
         ),
         dashboard_secure_cookie=settings.dashboard_secure_cookie,
+        fast_lane=settings.http_fast_lane,
     )
     if settings.recovery_enabled:
         loop = RecoveryLoop(

@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     dashboard_viewer_token: SecretStr | None = None
     # Mark the dashboard's session cookie Secure (set it when the service is reached over HTTPS).
     dashboard_secure_cookie: bool = False
+    # begin and commit's common case answered without FastAPI's machinery (coordinator/http/fast_lane.py;
+    # the answers are the same). false: FastAPI answers every call.
+    http_fast_lane: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Query, Response
+from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
@@ -21,6 +21,7 @@ from .api_docs import mount_docs
 from .auth import Principal, tokens_equal, writer_token
 from ..kafka.broker import PartitionWatch
 from .dashboard import create_dashboard
+from .fast_lane import FastLane
 from .input import (
     AttemptNumber,
     BatchId,
@@ -126,7 +127,10 @@ def create_app(
     token_secret: bytes,
     dashboard_viewer_token: str | None = None,
     dashboard_secure_cookie: bool = False,
+    fast_lane: bool = True,
 ) -> FastAPI:
+    """The API. `fast_lane`: begin and commit's common case answered by `FastLane` (fast_lane.py);
+    off, FastAPI answers every call (the answers are the same)."""
     app = FastAPI(
         title="Spark -> Kafka exactly-once transaction coordinator",
         version=__version__,
@@ -139,7 +143,6 @@ def create_app(
     app.router.route_class = InputRoute
     mount_docs(app)  # /docs and /redoc from the package's assets, not a CDN
     app.state.coordinator = coordinator
-    app.add_middleware(HttpMetricsMiddleware)
     database_metrics = metrics.database_registry(coordinator.engine)
     cache = _SinkTokenCache(token_secret)
 
@@ -165,11 +168,22 @@ def create_app(
             raise _Forbidden("this action needs the admin token")
         return Principal(is_admin=True)
 
+    def known_writer(name: str, token: str) -> Principal | None:
+        """`writer`'s answer when it needs no I/O: the admin token, or the sink's token in a fresh
+        cache entry; None otherwise."""
+        if tokens_equal(token, admin_token):
+            return Principal(is_admin=True)
+        hit = cache.fresh(name)
+        if hit is not None and tokens_equal(token, hit[1]):
+            return Principal(is_admin=False, sink_name=name)
+        return None
+
     async def writer(name: SinkName, token: Annotated[str, Depends(bearer)]) -> Principal:
         """The sink's writer token, or the admin token. Without the admin token, an unknown sink
         and another sink's are refused alike: the answer does not tell which names exist."""
-        if tokens_equal(token, admin_token):
-            return Principal(is_admin=True)
+        who = known_writer(name, token)
+        if who is not None:
+            return who
         not_yours = _Forbidden("the token is neither the admin token nor this sink's writer token")
         hit = cache.fresh(name)
         if hit is None:
@@ -180,6 +194,11 @@ def create_app(
         if not tokens_equal(token, hit[1]):
             raise not_yours
         return Principal(is_admin=False, sink_name=name)
+
+    async def writer_without_io(request: Request, name: str) -> Principal | None:
+        """For the fast lane: `writer`'s answer from the request's bearer token if it needs no I/O."""
+        credentials = await bearer_scheme(request)
+        return None if credentials is None else known_writer(name, await bearer(credentials))
 
     Admin = Annotated[Principal, Depends(admin)]
     Writer = Annotated[Principal, Depends(writer)]
@@ -418,6 +437,11 @@ def create_app(
     def root() -> RedirectResponse:
         return RedirectResponse("/dashboard/", status_code=307)
 
+    # the last middleware added is the outermost: the metrics time the fast lane's answers too
+    if fast_lane:
+        app.add_middleware(FastLane, api=app, endpoints=(begin_checkpoint, commit), principal_annotation=Writer,
+                           principal=writer_without_io)
+    app.add_middleware(HttpMetricsMiddleware)
     return app
 
 

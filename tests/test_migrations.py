@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect, text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import inspect
 
 from coordinator.store.db import downgrade, make_engine, migrate, schema_is_current
 from coordinator.store.tables import metadata
@@ -61,26 +59,3 @@ def test_state_columns_only_take_their_machine_states(engine):
     for table in ("checkpoints", "attempts", "leases", "transactional_ids"):
         checks = {c["name"] for c in insp.get_check_constraints(table)}
         assert f"ck_{table}_state" in checks
-
-
-def test_a_lease_has_one_foreign_key_which_makes_its_copied_ids_its_attempts(engine):
-    """0009: one referential check per inserted lease (three before), and a stronger one."""
-    fks = inspect(engine).get_foreign_keys("leases")
-    assert [(fk["constrained_columns"], fk["referred_table"], fk["referred_columns"]) for fk in fks] == [
-        (["attempt_id", "checkpoint_id", "sink_id"], "attempts", ["id", "checkpoint_id", "sink_id"])]
-    with engine.begin() as conn:
-        conn.execute(text(
-            "INSERT INTO sinks (id, name, transactional_id_prefix, bootstrap_servers, topics, transaction_timeout_ms, "
-            "commit_margin_ms, max_pool_size, generation, writer_token_version, created_at) "
-            "VALUES (1, 's', 's-eos', 'k:9092', '[\"t\"]', 60000, 5000, 10, 1, 1, now())"))
-        conn.execute(text("INSERT INTO checkpoints (id, sink_id, query_id, batch_id, state, current_attempt, created_at) "
-                          "VALUES (1, 1, 'q', 0, 'OPEN', 1, now()), (2, 1, 'q', 1, 'OPEN', 0, now())"))
-        conn.execute(text("INSERT INTO attempts (id, checkpoint_id, sink_id, number, generation, state, started_at) "
-                          "VALUES (1, 1, 1, 1, 1, 'OPEN', now())"))
-    lease = ("INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, "
-             "state, leased_at, deadline_at) VALUES (1, :checkpoint_id, 1, 0, 0, 's-eos-0', 'LEASED', now(), now())")
-    with engine.begin() as conn:
-        conn.execute(text(lease), {"checkpoint_id": 1})
-    with pytest.raises(IntegrityError, match="fk_leases_attempt_id_attempts"):
-        with engine.begin() as conn:  # another checkpoint's id than its attempt's
-            conn.execute(text(lease.replace("0, 0, 's-eos-0'", "1, 0, 's-eos-1'")), {"checkpoint_id": 2})

@@ -9,7 +9,6 @@ from sqlalchemy import (
     Column,
     DateTime,
     ForeignKey,
-    ForeignKeyConstraint,
     Index,
     Integer,
     MetaData,
@@ -109,7 +108,6 @@ attempts = Table(
     Column("abort_reason", String(200), nullable=True),
     Column("job_ms", BigInteger, nullable=True),
     UniqueConstraint("checkpoint_id", "number"),
-    UniqueConstraint("id", "checkpoint_id", "sink_id"),  # what a lease's one foreign key refers to (0009)
     _states("OPEN", "COMMITTING", "COMMITTED", "ABORTED", "LOST"),
     # "every open attempt of this sink" at begin checkpoint and generation start: queries add
     # `finished_at IS NULL` (OPEN or COMMITTING) to `state = 'OPEN'`; no index covers `state`, so
@@ -143,9 +141,9 @@ leases = Table(
     "leases",
     metadata,
     Column("id", BigInteger, primary_key=True),
-    Column("sink_id", BigInteger, nullable=False),
-    Column("checkpoint_id", BigInteger, nullable=False),
-    Column("attempt_id", BigInteger, nullable=False),
+    Column("sink_id", BigInteger, ForeignKey("sinks.id"), nullable=False),
+    Column("checkpoint_id", BigInteger, ForeignKey("checkpoints.id"), nullable=False),
+    Column("attempt_id", BigInteger, ForeignKey("attempts.id"), nullable=False),
     Column("partition", Integer, nullable=False),
     Column("task_attempt_id", BigInteger, nullable=False),
     Column("transactional_id", String(255), nullable=False),
@@ -162,9 +160,6 @@ leases = Table(
     # [[topic, partition, offset], ...]: the first offset the transaction wrote per topic-partition
     Column("first_offsets", JSONB, nullable=True),
     UniqueConstraint("attempt_id", "partition", "task_attempt_id"),
-    # one referential check per inserted lease (0009): the attempt's, whose own keys cover the
-    # checkpoint and the sink, and which makes the copied ids the attempt's
-    ForeignKeyConstraint(["attempt_id", "checkpoint_id", "sink_id"], ["attempts.id", "attempts.checkpoint_id", "attempts.sink_id"]),
     _states("LEASED", "PRECOMMITTED", "COMMITTING", "COMMITTED", "ABORTING", "ABORTED", "LOST_ABORTING", "LOST"),
     # resolved_at is set exactly when a lease reaches an end state (migration 0008)
     CheckConstraint("(state IN ('COMMITTED', 'ABORTED', 'LOST')) = (resolved_at IS NOT NULL)", name="resolved"),

@@ -10,6 +10,7 @@ The Kafka control plane is record-only: nothing here is about Kafka."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.exc import OperationalError
 
 from coordinator.http.api import create_app
-from coordinator.http.fast_lane import FastLane
+from coordinator.http.fast_lane import MAX_LANE_BODY_BYTES, FastLane
 from coordinator.http.input import MAX_BODY_BYTES
 from coordinator.kafka.control_plane import RecordingControlPlane
 from coordinator.protocol import errors as e
@@ -225,6 +226,14 @@ def test_every_answer_is_the_one_fastapi_gives(pair: Pair) -> None:
     assert committed["state"] == "COMMITTED" and [w["partition"] for w in committed["committed"]] == [0]
     case((200, "lane"), "POST", commit_path(3, attempt), commit_body)  # a retry answers the same
     case((200, "lane"), "POST", begin_path(3), {"generation": gen2})  # skip: committed
+    # a large commit (here 200 partitions, 160 of them empty) goes to FastAPI: see MAX_LANE_BODY_BYTES
+    begun = case((200, "lane"), "POST", begin_path(4), {"generation": gen2, "partitions": 200}).json()
+    large = {"generation": gen2, "partitions": [
+        {"partition": x["partition"], "lease_id": x["lease_id"], **record} if x["partition"] < 40
+        else {"partition": x["partition"], "lease_id": None} for x in begun["pre_leases"]]}
+    assert len(json.dumps(large)) > MAX_LANE_BODY_BYTES
+    big = case((200, "passed_on"), "POST", commit_path(4, begun["attempt"]), large).json()
+    assert big["state"] == "COMMITTED" and len(big["committed"]) == 40
     # --- a retired sink: every call is refused alike
     p.send("POST", f"/v1/sinks/{OTHER}/retire", {"reason": "done"}, token="admin")
     retired = case((409, "lane"), "POST", begin_path(0, sink=OTHER), ok, token="admin")

@@ -11,17 +11,13 @@ The Kafka control plane is record-only: nothing here is about Kafka."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.exc import OperationalError
 
@@ -34,31 +30,13 @@ from coordinator.service import Coordinator, Limits
 from coordinator.service.clock import ManualClock
 from coordinator.store.db import make_engine
 from fixtures.postgres import migrated_database
-from fixtures.servers import ProtocolClient, free_port
+from fixtures.servers import ProtocolClient, uvicorn_in_thread
 
 ADMIN = "fast-lane-admin-token-1c2d"
 SECRET = b"fast-lane-writer-secret"
 SINK, OTHER = "orders", "payments"
 BEGIN = "/v1/sinks/{name}/checkpoints/{batch_id}/begin"
 COMMIT = "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/commit"
-
-
-@contextmanager
-def served(app: FastAPI) -> Iterator[str]:
-    """The app behind a real uvicorn (uvloop + httptools when installed, as deployed), in a thread."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
 
 
 @dataclass
@@ -120,7 +98,7 @@ def pair(postgres_server_url: str, template_url: str) -> Iterator[Pair]:
             c = Coordinator(engine, RecordingControlPlane(), clock=ManualClock(), limits=Limits(max_partitions=256))
             stack.callback(c.close)
             app = create_app(c, admin_token=ADMIN, token_secret=SECRET, fast_lane=fast)
-            base = stack.enter_context(served(app))
+            base = stack.enter_context(uvicorn_in_thread(app))
             clients.append(stack.enter_context(httpx.Client(base_url=base, timeout=60)))
             coordinators.append(c)
             lanes.append(getattr(app.state, "fast_lane", None))

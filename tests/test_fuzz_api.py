@@ -16,18 +16,15 @@ Postgres, a write without authentication): it must report both.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
 import schemathesis
-import uvicorn
 from fastapi import FastAPI, Header, Path as PathParam
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -43,7 +40,7 @@ from schemathesis.specs.openapi.checks import (
 )
 from sqlalchemy import create_engine, text
 
-from fixtures.servers import ServiceProcess, free_port
+from fixtures.servers import ServiceProcess, uvicorn_in_thread
 
 ADMIN = "fuzz-admin-token-5be1"
 SINK = "orders"
@@ -215,25 +212,8 @@ def broken_app(database_url: str) -> FastAPI:
     return app
 
 
-@contextmanager
-def serve_in_thread(app: FastAPI) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the broken app did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 def test_fuzz_harness_catches_a_broken_service(database_url: str) -> None:
-    with serve_in_thread(broken_app(database_url)) as url:
+    with uvicorn_in_thread(broken_app(database_url)) as url:
         before = snapshot(database_url)
         report = FuzzReport()
         fuzz(url, {"none": None, "wrong": "nope"}, 8, report)

@@ -19,8 +19,7 @@ class _Record:
         columns in a joined row); a `state` column becomes its enum. A positional row whose type
         maps column names to positions (`columns`, as the store's driver rows do) is read by
         position, with the positions worked out once per row type."""
-        positions = getattr(type(row), "columns", None)
-        if positions is not None:
+        if hasattr(type(row), "columns"):
             names, get = _positional(cls, prefix, type(row))
             values = dict(zip(names, get(tuple(row))))  # a plain tuple: itemgetter at C speed
         else:
@@ -42,9 +41,8 @@ def _field_keys(cls: type, prefix: str) -> tuple[tuple[str, str], ...]:
 @cache
 def _positional(cls: type, prefix: str, row_type: type) -> tuple[tuple[str, ...], Any]:
     keys = _field_keys(cls, prefix)
-    positions = [row_type.columns[key] for _, key in keys]  # type: ignore[attr-defined]
-    getter = itemgetter(*positions)
-    return tuple(name for name, _ in keys), (getter if len(positions) > 1 else lambda row: (getter(row),))
+    getter = itemgetter(*(row_type.columns[key] for _, key in keys))  # type: ignore[attr-defined]
+    return tuple(name for name, _ in keys), getter  # every record has several fields: a tuple
 
 
 @cache

@@ -3,7 +3,8 @@
 
 One batch (checkpoint cycle) = begin with the partition count (it pre-leases each partition's first
 try), then the executors' work (each in its own thread, all at once; first tries make no call),
-then commit naming every winner with its pre-commit record: 2 calls per batch. (Against a server
+then commit naming every winner with its pre-commit record (as the writer's executor reports it:
+figures, and a first offset per topic-partition written, --topic-partitions): 2 calls per batch. (Against a server
 of the per-call protocol it falls back to one lease + one pre-commit per partition.) Many
 simulated drivers run batches back to back, one sink each (a query runs one micro-batch at a time
 per sink). Modes:
@@ -153,6 +154,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="PARTITIONS:DRIVERS, repeatable (default 2:12, 64:4 and 200:1)")
     ap.add_argument("--procs", type=int, default=2, help="load processes the drivers are spread over (default 2)")
     ap.add_argument("--workers", type=int, default=2, help="uvicorn worker processes in http mode (default 2)")
+    ap.add_argument("--topic-partitions", type=int, default=8,
+                    help="topic-partitions each task's transaction writes: its record carries a first offset for "
+                         "each, as the writer's executor reports them (default 8; 0: none)")
     ap.add_argument("--pool-size", type=int, default=20,
                     help="SQLAlchemy pool_size per engine, as COORDINATOR_DB_POOL_SIZE (default 20)")
     ap.add_argument("--server-log-level", default="warning", choices=("debug", "info", "warning", "error"),
@@ -206,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                     jobs, first = [], 0
                     for n in split(drivers, min(args.procs, drivers)):
                         jobs.append({"mode": mode, "url": url, "pool_size": args.pool_size, "partitions": partitions,
+                                     "topic_partitions": args.topic_partitions,
                                      "sinks": sinks[first:first + n], "first_driver": first,
                                      "base_url": server.base_url if server else None})
                         first += n

@@ -30,10 +30,14 @@ class Begun(NamedTuple):
 
 
 class Record(NamedTuple):
-    """A task's pre-commit record (what its flushed transaction holds)."""
+    """A task's pre-commit record (what its flushed transaction holds), with the figures and first
+    offsets the writer's executor reports: one [topic, partition, offset] per topic-partition its
+    transaction wrote."""
 
     producer_id: int
     records: int
+    write_ms: int | None = None
+    first_offsets: list[list[Any]] | None = None
 
 
 class InprocessSink:
@@ -78,7 +82,8 @@ class InprocessSink:
         else:
             from coordinator.protocol.model import PrecommitRecord
 
-            results = [PartitionResult(p, lid, PrecommitRecord(r.producer_id, 0, r.records, r.records * 100))
+            results = [PartitionResult(p, lid, PrecommitRecord(r.producer_id, 0, r.records, r.records * 100,
+                                                               r.write_ms, r.first_offsets))
                        for (p, lid), r in zip(winners, records)]
         return len(self.c.commit(self.name, batch_id, attempt, generation, results, self.actor).winners)
 
@@ -179,6 +184,8 @@ class HttpSink:
         parts = [{"partition": p, "lease_id": lid} for p, lid in winners]
         for part, r in zip(parts, records or []):
             part.update(producer_id=r.producer_id, producer_epoch=0, records=r.records, bytes=r.records * 100)
+            if r.write_ms is not None:
+                part.update(write_ms=r.write_ms, first_offsets=r.first_offsets)
         body = {"generation": generation, "partitions": parts}
         return len(self._post(f"/checkpoints/{batch_id}/attempts/{attempt}/commit", body)["committed"])
 

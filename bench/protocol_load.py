@@ -53,9 +53,11 @@ class Stats:
 
 
 def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPoolExecutor, stats: Stats,
-                progress: Any, driver_no: int, primed: threading.Barrier, started: threading.Event) -> None:
+                progress: Any, driver_no: int, primed: threading.Barrier, started: threading.Event,
+                topic_partitions: int) -> None:
     """One driver: a first, unmeasured cycle (it grows the sink's transactional id pool from
-    empty, which is not the steady state), then cycles back to back until the window ends."""
+    empty, which is not the steady state), then cycles back to back until the window ends. Each
+    task's record names `topic_partitions` first offsets."""
     clock = time.monotonic
     batch_id = 0
     task_attempt_id = driver_no * 10**12
@@ -70,6 +72,11 @@ def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPo
         stats.record("lease", t0, t1)
         stats.record("precommit", t1, t2)
         return partition, lease_id
+
+    def task_record(partition: int) -> Record:
+        """What the writer's task returns: its transaction wrote to every partition of the topic."""
+        offsets = [["bench", k, 10 * batch_id] for k in range(topic_partitions)] if topic_partitions else None
+        return Record(1000 + partition, 10, 5, offsets)
 
     def cycle() -> tuple[float, float]:
         """One batch. Per-call protocol: begin, a lease and a pre-commit per partition (2P + 2
@@ -86,7 +93,7 @@ def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPo
             if len(begun.pre_leases) != partitions:
                 raise RuntimeError(f"begin pre-leased {len(begun.pre_leases)} ids, expected {partitions}")
             winners = sorted(begun.pre_leases)
-            records = [Record(1000 + p, 10) for p, _ in winners]
+            records = [task_record(p) for p, _ in winners]
         else:
             futures = []
             for p in range(partitions):
@@ -154,7 +161,8 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
         pools = [ThreadPoolExecutor(max_workers=job["partitions"], thread_name_prefix=f"exec{i}") for i in range(len(sinks))]
         threads = [
             threading.Thread(target=_run_driver, args=(
-                s, gen, job["partitions"], pool, stats, progress, job["first_driver"] + i, primed, started))
+                s, gen, job["partitions"], pool, stats, progress, job["first_driver"] + i, primed, started,
+                job["topic_partitions"]))
             for i, (s, gen, pool) in enumerate(zip(sinks, generations, pools))
         ]
         for t in threads:

@@ -7,6 +7,7 @@ faithful)."""
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,7 +20,7 @@ from sqlalchemy import Engine, select, text
 
 import coordinator.service.clock as clock_module
 from coordinator.service.clock import ManualClock
-from coordinator.kafka.control_plane import RecordingControlPlane
+from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane, TransactionOutcome
 from coordinator.protocol import errors as e
 from coordinator.protocol.invariants import check_invariants
 from coordinator.protocol.model import FIRST_TRY_TASK_ATTEMPT, PartitionResult, PrecommitRecord
@@ -121,6 +122,24 @@ def test_an_empty_partitions_pre_lease_is_freed_without_touching_kafka(coordinat
 # --- item 2: the commit carries the winners' records -----------------------------------------------
 
 
+def test_a_refused_commit_looks_in_the_log_at_the_first_offsets_its_record_carried(
+    coordinator: Coordinator, kafka: RecordingControlPlane
+):
+    # stored as the JSON text the commit carried, parsed only on this path (migration 0009)
+    c = coordinator
+    gen = start(c)
+    (only,) = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=1).pre_leases
+    offsets = [["out", 0, 41], ["out", 3, 9], ["other", 1, 12345678901]]
+    kafka.fail_next(ControlPlaneError("EndTxn: PRODUCER_FENCED", retriable=False, code="producer_fenced"))
+    kafka.outcomes[only.transactional_id] = TransactionOutcome.COMMITTED  # the log shows it committed after all
+    r = PrecommitRecord(2000, 0, 5, 50, 7, offsets)
+    done = c.commit(NAME, 0, 1, gen, [PartitionResult(0, only.id, r)], ACTOR)
+    assert done.checkpoint.state is CheckpointState.COMMITTED
+    assert kafka.outcome_reads == [(only.transactional_id, tuple(tuple(x) for x in offsets))]
+    assert_invariants(c, settled=True)
+
+
+
 def test_commit_stores_the_records_with_the_decision_in_one_transaction(
     coordinator: Coordinator, kafka: RecordingControlPlane, monkeypatch: pytest.MonkeyPatch
 ):
@@ -150,7 +169,7 @@ def test_commit_stores_the_records_with_the_decision_in_one_transaction(
     for x in first:
         r = record(x.id)
         assert (stored[x.id].producer_id, stored[x.id].producer_epoch, stored[x.id].records, stored[x.id].bytes,
-                stored[x.id].write_ms, stored[x.id].first_offsets) == (r.producer_id, 0, 5, 50, 7, r.first_offsets)
+                stored[x.id].write_ms, json.loads(stored[x.id].first_offsets)) == (r.producer_id, 0, 5, 50, 7, r.first_offsets)
     # Kafka was resumed with the stored producer ids and epochs
     assert sorted((t.transactional_id, t.producer_id, t.producer_epoch) for _, t in kafka.commits) == sorted(
         (x.transactional_id, 2000 + x.id, 0) for x in first)

@@ -126,7 +126,9 @@ class Lease(_Record):
     precommitted_at: datetime | None
     resolved_at: datetime | None
     write_ms: int | None = None  # the executor's produce + flush time (reported with the pre-commit)
-    first_offsets: list[list[Any]] | None = None  # [[topic, partition, first offset written], ...]
+    # JSON text as stored, [[topic, partition, first offset written], ...]: read only when Kafka
+    # refuses the commit, so it is not parsed with every lease
+    first_offsets: str | None = None
 
     @property
     def first_try(self) -> bool:

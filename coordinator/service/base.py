@@ -4,6 +4,7 @@ recovery loop run: finishing a decided commit, and aborting leases' transactions
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -443,7 +444,7 @@ class CoordinatorBase:
 def _first_offsets(lease: Lease) -> list[FirstOffset]:
     """The (topic, partition, offset) of the transaction's first record per partition, as the
     executor reports them with its pre-commit (absent on leases pre-committed without them)."""
-    return [tuple(x) for x in (getattr(lease, "first_offsets", None) or ())]  # type: ignore[misc]
+    return [tuple(x) for x in json.loads(lease.first_offsets or "[]")]  # type: ignore[misc]
 
 
 def _target(sink: Sink) -> KafkaTarget:

@@ -14,6 +14,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    Text,
     UniqueConstraint,
     text,
 )
@@ -157,8 +158,9 @@ leases = Table(
     Column("precommitted_at", TS, nullable=True),
     Column("resolved_at", TS, nullable=True),
     Column("write_ms", BigInteger, nullable=True),
-    # [[topic, partition, offset], ...]: the first offset the transaction wrote per topic-partition
-    Column("first_offsets", JSONB, nullable=True),
+    # JSON text [[topic, partition, offset], ...]: the first offset the transaction wrote per
+    # topic-partition; parsed only when Kafka refuses the commit (migration 0009)
+    Column("first_offsets", Text, nullable=True),
     UniqueConstraint("attempt_id", "partition", "task_attempt_id"),
     _states("LEASED", "PRECOMMITTED", "COMMITTING", "COMMITTED", "ABORTING", "ABORTED", "LOST_ABORTING", "LOST"),
     # resolved_at is set exactly when a lease reaches an end state (migration 0008)

@@ -104,3 +104,40 @@ def test_rows_are_read_by_name_and_records_built_by_position_match_those_built_b
     by_name = [Lease.from_mapping(r.as_dict()) for r in rows]
     assert by_position == by_name and [x.partition for x in by_position] == [0, 1]
     assert by_position[0].state.value == "LEASED" and by_position[0].id == rows[0]["l_id"]
+
+
+@pytest.mark.parametrize("partitions, prepared", [(2, True), (40, False)])
+def test_statements_over_many_rows_are_planned_for_their_values_not_prepared(
+    database_url: str, partitions: int, prepared: bool
+) -> None:
+    # A prepared statement soon runs Postgres' generic plan, which assumes ~10 elements per array
+    # parameter; at 200 partitions that plan scanned transactional_ids once per lease. Statements
+    # over more than GENERIC_PLAN_MAX_ROWS rows are sent unprepared (planned for their values).
+    from coordinator.kafka.control_plane import RecordingControlPlane
+    from coordinator.service import Limits
+    from coordinator.store.db import sqlalchemy_url
+    from coordinator.store.hot_path import GENERIC_PLAN_MAX_ROWS
+    from sqlalchemy import create_engine
+
+    assert (partitions > GENERIC_PLAN_MAX_ROWS) is not prepared
+    engine = create_engine(sqlalchemy_url(database_url), pool_size=1, max_overflow=0)  # one session to look at
+    c = Coordinator(engine, RecordingControlPlane(), limits=Limits(max_partitions=256))
+    try:
+        c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
+        generation, _ = c.start_generation(NAME, "q", "r", "test")
+        for batch_id in range(8):  # psycopg prepares a statement at its 5th execution
+            begun = c.begin_checkpoint(NAME, batch_id, generation, "test", partitions=partitions)
+            results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50, 3,
+                                                                          [["out", x.partition, batch_id]]))
+                       for x in begun.pre_leases]
+            assert c.commit(NAME, batch_id, begun.attempt.number, generation, results, "test").checkpoint.state \
+                == "COMMITTED"
+        with engine.connect() as conn:
+            statements = conn.execute(text("SELECT statement FROM pg_prepared_statements")).scalars().all()
+    finally:
+        c.close()
+        engine.dispose()
+    marks = ("INSERT INTO attempts", "jsonb_to_recordset", "SET state = 'COMMITTED', resolved_at")
+    sized = [s for s in statements if any(m in s for m in marks)]
+    assert len(sized) == (len(marks) if prepared else 0), sized
+    assert any("FOR SHARE OF s FOR UPDATE OF c, a" in s for s in statements)  # the fixed ones stay prepared

@@ -63,14 +63,20 @@ class DriverStatement:
             raise ValueError("a driver statement must not contain '%' (psycopg's placeholder character)")
         self.sql = _BIND.sub(r"%(\1)s", sql)
 
-    def rows(self, conn: Connection, params: Mapping[str, Any]) -> list[Row]:
-        """Execute in conn's transaction; every result row (readable by column name)."""
+    def rows(self, conn: Connection, params: Mapping[str, Any], *, planned_for_values: bool = False) -> list[Row]:
+        """Execute in conn's transaction; every result row (readable by column name).
+
+        `planned_for_values`: not prepared, so Postgres plans this execution for its parameters'
+        values. A prepared statement soon runs a generic plan, which assumes ~10 elements in an array
+        parameter: with hundreds (a 200-partition batch) that plan can take a nested loop over a
+        sequential scan, once per element."""
         raw = conn.connection.driver_connection
         assert isinstance(raw, psycopg.Connection), "the coordinator runs on psycopg 3"
         with raw.cursor(row_factory=tuple_row) as cur:
             conn.dispatch.before_cursor_execute(conn, cur, self.sql, params, None, False)
             try:
-                cur.execute(self.sql, params)  # prepared by psycopg once it is seen repeating
+                # prepared by psycopg once it is seen repeating, unless planned for these values
+                cur.execute(self.sql, params, prepare=False if planned_for_values else None)
             except psycopg.Error as exc:
                 # SQLAlchemy's own handler (what Connection.execute calls): wraps the error, and on a
                 # dead connection invalidates it and the pool's older connections, as for any statement

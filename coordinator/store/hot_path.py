@@ -31,6 +31,15 @@ from .driver_sql import DriverStatement
 from .tables import attempts, checkpoints, leases, sinks
 
 
+# Above this many rows in its arrays, a statement is planned for its values (DriverStatement.rows):
+# Postgres' generic plan assumes ~10 elements, so it fits a two-partition batch but not 200.
+GENERIC_PLAN_MAX_ROWS = 16
+
+
+def _planned_for_values(rows: int) -> bool:
+    return rows > GENERIC_PLAN_MAX_ROWS
+
+
 def _cols(table: Table, alias: str, prefix: str) -> str:
     return ", ".join(f"{alias}.{c.name} AS {prefix}{c.name}" for c in table.c)
 
@@ -190,7 +199,7 @@ def insert_attempt_with_leases(
         "partitions": partitions, "now": now, "task_attempt_id": task_attempt_id,
         "lease_partitions": list(range(len(taken))),
         "tids": [tid for _, tid in taken], "deadline_at": deadline_at,
-    })
+    }, planned_for_values=_planned_for_values(len(taken)))
     first = rows[0]
     if first["checkpoints_updated"] != 1:
         raise AssertionError("the checkpoint changed under begin's lock")
@@ -287,7 +296,7 @@ def decide(
             {"id": lid, "producer_id": r.producer_id, "producer_epoch": r.producer_epoch, "records": r.records,
              "bytes": r.bytes, "write_ms": r.write_ms, "first_offsets": r.first_offsets} for lid, r in records
         ]),
-    })
+    }, planned_for_values=_planned_for_values(len(records)))
     if not rows or rows[0]["c_id"] is None or rows[0]["a_id"] is None:
         raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
     winners = [Lease.from_mapping(r, "w_") for r in rows if r["w_id"] is not None]
@@ -367,7 +376,7 @@ def mark_committed(
     rows = _MARK_COMMITTED.rows(conn, {
         "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "done": list(done),
         "now": now, "finish": finish, "event_actor": event_actor, "detail": json.dumps(event_detail),
-    })
+    }, planned_for_values=_planned_for_values(len(done)))
     marked = None
     if rows and rows[0]["c_id"] is not None:
         marked = Checkpoint.from_mapping(rows[0], "c_"), Attempt.from_mapping(rows[0], "a_")

@@ -133,10 +133,10 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
         # the guard: naming only the winner already committed marks nothing
         now = c.clock.now_in(conn)
         kept = hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
-                                       done=[done.id], now=now, finish=True, event_actor=None, event_detail={})
+                                       done=[done], now=now, finish=True, event_actor=None, event_detail={})
         assert kept.marked is None and {x.id: x.state for x in kept.leases}[left.id] is LeaseState.COMMITTING
         marked = hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
-                                         done=[left.id], now=now, finish=True, event_actor="recovery",
+                                         done=[left], now=now, finish=True, event_actor="recovery",
                                          event_detail={"by": "test"})
         assert marked.marked is not None and marked.marked[0].state is CheckpointState.COMMITTED
         assert all(x.state is LeaseState.COMMITTED for x in marked.leases)

@@ -166,6 +166,11 @@ def test_commit_stores_the_records_with_the_decision_in_one_transaction(
     done = c.commit(NAME, 0, 1, gen, results, ACTOR)
     assert done.checkpoint.state is CheckpointState.COMMITTED
     stored = {x.id: x for x in c.snapshot().leases}
+    # the hot path's statements answer ids; the leases it builds from what it wrote are the rows
+    assert done.winners == [stored[x.id] for x in first] and len(first) == 2
+    assert first == [stored[x.id].with_changes(state=LeaseState.LEASED, resolved_at=None, producer_id=None,
+                                                      producer_epoch=None, records=None, bytes=None, write_ms=None,
+                                                      first_offsets=None, precommitted_at=None) for x in first]
     for x in first:
         r = record(x.id)
         assert (stored[x.id].producer_id, stored[x.id].producer_epoch, stored[x.id].records, stored[x.id].bytes,

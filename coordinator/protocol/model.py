@@ -32,6 +32,30 @@ class _Record:
         record.__dict__.update(values)
         return record
 
+    @classmethod
+    def from_fields(cls, **values: Any) -> Self:
+        """Build from every field's value (what a statement wrote, when it answers only ids), as
+        from_mapping does."""
+        if values.keys() != _field_names(cls):
+            raise TypeError(f"{cls.__name__} takes exactly its fields: {sorted(_field_names(cls) ^ values.keys())}")
+        record = object.__new__(cls)
+        record.__dict__.update(values)
+        return record
+
+    def with_changes(self, **changes: Any) -> Self:
+        """A copy with some fields changed (what a statement wrote, when it answers only ids),
+        built the way from_mapping builds records."""
+        if not changes.keys() <= self.__dict__.keys():
+            raise TypeError(f"not fields of {type(self).__name__}: {sorted(changes.keys() - self.__dict__.keys())}")
+        record = object.__new__(type(self))
+        record.__dict__.update(self.__dict__, **changes)
+        return record
+
+
+@cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))  # type: ignore[arg-type]
+
 
 @cache
 def _field_keys(cls: type, prefix: str) -> tuple[tuple[str, str], ...]:

@@ -192,7 +192,7 @@ class CoordinatorBase:
             locked, db_now = hot_path.lock_checkpoint(conn, cp.id)
             now = now_from(self.clock, conn, db_now)
             checkpoint_leases, marked = hot_path.mark_committed(
-                conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, done=[x.id for x in pending],
+                conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, done=pending,
                 now=now, finish=locked.state is CheckpointState.COMMITTING,
                 event_actor=RECOVERY_ACTOR if finished_by else None, event_detail=committed_detail,
             )

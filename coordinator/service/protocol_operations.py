@@ -540,7 +540,7 @@ class ProtocolOperations(Reads):
             recorded = {lease.id for lease, _ in plan.records}
             decided_cp, decided_attempt, winners = hot_path.decide(
                 conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, number=attempt_number,
-                partitions=len(results), job_ms=job_ms, records=[(lease.id, r) for lease, r in plan.records],
+                partitions=len(results), job_ms=job_ms, records=plan.records,
                 now=now, actor=actor,
                 event_detail=dict(batch_id=batch_id, attempt=attempt_number,
                                   winners=[[w.partition, w.id, w.transactional_id] for w in plan.winners]),

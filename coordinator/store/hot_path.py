@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Table
 
-from ..protocol.model import Attempt, Checkpoint, Lease, Sink
+from ..protocol.model import Attempt, Checkpoint, Lease, PrecommitRecord, Sink
 from ..protocol.states import (
     AttemptState,
     CheckpointState,
@@ -157,7 +157,8 @@ def _existing_checkpoint_head(conn: Connection, sink: Sink, cp: Checkpoint) -> C
 # caller's take_free_transactional_ids) and those ids handed to their leases (found by their unique
 # transactional_id: joining on an unnest() would be a nested loop). No event: the attempt row
 # (started_at) is the record of a plain begin; the batch's one event is its decision. The answer is
-# the attempt's row, then one row per lease (FULL JOIN ON false: P rows do not repeat the attempt).
+# the attempt's row, then each lease's id (FULL JOIN ON false: P rows do not repeat the attempt);
+# the caller knows the rest of the leases' rows, which it wrote.
 _NEW_ATTEMPT = DriverStatement(f"""
 WITH a AS (
     INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at)
@@ -175,7 +176,7 @@ WITH a AS (
     UPDATE transactional_ids AS t SET state = 'LEASED', lease_id = l.id
     FROM l WHERE t.transactional_id = l.transactional_id AND t.state = 'FREE'
 )
-SELECT {_cols(attempts, 'a', 'a_')}, {_cols(leases, 'l', 'l_')},
+SELECT {_cols(attempts, 'a', 'a_')}, l.id AS l_id, l.partition AS l_partition,
     (SELECT count(*) FROM c) AS checkpoints_updated,
     clock_timestamp() AS db_now
 FROM a FULL JOIN l ON false ORDER BY l.partition NULLS FIRST
@@ -203,9 +204,19 @@ def insert_attempt_with_leases(
     first = rows[0]
     if first["checkpoints_updated"] != 1:
         raise AssertionError("the checkpoint changed under begin's lock")
-    new_leases = [Lease.from_mapping(r, "l_") for r in rows if r["l_id"] is not None]
+    attempt = Attempt.from_mapping(first, "a_")
+    tids = [tid for _, tid in taken]
+    new_leases = [
+        Lease.from_fields(
+            id=r["l_id"], sink_id=sink.id, checkpoint_id=checkpoint_id, attempt_id=attempt.id, partition=r["l_partition"],
+            task_attempt_id=task_attempt_id, transactional_id=tids[r["l_partition"]], state=LeaseState.LEASED,
+            leased_at=now, deadline_at=deadline_at, producer_id=None, producer_epoch=None, records=None, bytes=None,
+            precommitted_at=None, resolved_at=None, write_ms=None, first_offsets=None,
+        )
+        for r in rows if r["l_id"] is not None
+    ]
     # each row reads the clock when it is produced: the latest is after every write
-    return NewAttempt(Attempt.from_mapping(first, "a_"), new_leases, max(r["db_now"] for r in rows))
+    return NewAttempt(attempt, new_leases, max(r["db_now"] for r in rows))
 
 
 # --- commit: the decision -----------------------------------------------------------------------
@@ -253,7 +264,8 @@ def lock_attempt_leases(conn: Connection, attempt_id: int) -> tuple[list[Lease],
 
 # The decision: checkpoint and attempt OPEN -> COMMITTING, the winners whose pre-commit records
 # came with the commit LEASED -> COMMITTING with the records, and the commit_decided event. The
-# answer is the checkpoint and attempt's row, then one row per winner (FULL JOIN ON false).
+# answer is the checkpoint and attempt's row, then the id and stored first offsets of each winner
+# updated (FULL JOIN ON false): the caller holds the rest of each winner's row, locked.
 _DECIDE = DriverStatement(f"""
 WITH c AS (
     UPDATE checkpoints SET state = 'COMMITTING', decided_at = :now, committed_attempt = :number
@@ -274,16 +286,19 @@ WITH c AS (
     INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
     SELECT :sink_id, :checkpoint_id, :now, 'commit_decided', :actor, CAST(:detail AS jsonb) FROM c, a
 )
-SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')}, {_cols(leases, 'w', 'w_')}
+SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')}, w.id AS w_id, w.first_offsets AS w_first_offsets
 FROM c CROSS JOIN a FULL JOIN w ON false ORDER BY w.id NULLS FIRST
 """)
 
 
 def decide(
     conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, number: int, partitions: int,
-    job_ms: int | None, records: Sequence[tuple[int, Any]], now: datetime, actor: str, event_detail: dict[str, Any],
+    job_ms: int | None, records: Sequence[tuple[Lease, PrecommitRecord]], now: datetime, actor: str,
+    event_detail: dict[str, Any],
 ) -> tuple[Checkpoint, Attempt, list[Lease]]:
-    """Returns the decided checkpoint and attempt and the record winners now COMMITTING (by id)."""
+    """Returns the decided checkpoint and attempt and the record winners now COMMITTING (by id).
+    Each winner's lease must be as the caller read it under its lock (LEASED): the statement
+    changes only the fields the record sets, so the winners are built from those leases."""
     require_transition(CheckpointState.OPEN, CheckpointState.COMMITTING)
     require_transition(AttemptState.OPEN, AttemptState.COMMITTING)
     if records:
@@ -293,13 +308,20 @@ def decide(
         "partitions": partitions, "job_ms": job_ms, "now": now, "actor": actor, "detail": json.dumps(event_detail),
         # one JSON document (encoded in C): a text[] of P JSON values costs psycopg a regex escape per quote
         "records": json.dumps([
-            {"id": lid, "producer_id": r.producer_id, "producer_epoch": r.producer_epoch, "records": r.records,
-             "bytes": r.bytes, "write_ms": r.write_ms, "first_offsets": r.first_offsets} for lid, r in records
+            {"id": lease.id, "producer_id": r.producer_id, "producer_epoch": r.producer_epoch, "records": r.records,
+             "bytes": r.bytes, "write_ms": r.write_ms, "first_offsets": r.first_offsets} for lease, r in records
         ]),
     }, planned_for_values=_planned_for_values(len(records)))
     if not rows or rows[0]["c_id"] is None or rows[0]["a_id"] is None:
         raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
-    winners = [Lease.from_mapping(r, "w_") for r in rows if r["w_id"] is not None]
+    stored = {r["w_id"]: r["w_first_offsets"] for r in rows if r["w_id"] is not None}
+    winners = [
+        lease.with_changes(
+            state=LeaseState.COMMITTING, producer_id=r.producer_id, producer_epoch=r.producer_epoch, records=r.records,
+            bytes=r.bytes, write_ms=r.write_ms, first_offsets=stored[lease.id], precommitted_at=now,
+        )
+        for lease, r in records if lease.id in stored
+    ]
     return Checkpoint.from_mapping(rows[0], "c_"), Attempt.from_mapping(rows[0], "a_"), winners
 
 
@@ -321,7 +343,8 @@ def lock_checkpoint(conn: Connection, checkpoint_id: int) -> tuple[Checkpoint, d
 # COMMITTING. That guard restates the service's rule (it judges from the answer, and checks the
 # statement agreed) so the mark costs no round trip of its own. With `:event_actor`, the mark also
 # records a checkpoint_committed event. The answer is the marked checkpoint and attempt's row (if
-# marked), then every lease of the checkpoint as it is after this statement (FULL JOIN ON false).
+# marked), then the id of each winner this statement marked, then every other lease of the
+# checkpoint as it is (FULL JOIN ON false).
 _MARK_COMMITTED = DriverStatement(f"""
 WITH u AS (
     UPDATE leases SET state = 'COMMITTED', resolved_at = :now
@@ -346,12 +369,11 @@ WITH u AS (
            CAST(:detail AS jsonb) FROM a, c
     WHERE CAST(:event_actor AS text) IS NOT NULL
 ), x AS (
-    SELECT * FROM u
-    UNION ALL
     SELECT * FROM leases WHERE checkpoint_id = :checkpoint_id AND id NOT IN (SELECT id FROM u)
 )
-SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')}, {_cols(leases, 'x', 'x_')}
-FROM (c CROSS JOIN a) FULL JOIN x ON false ORDER BY x.id NULLS FIRST
+SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')}, u.id AS u_id, {_cols(leases, 'x', 'x_')}
+FROM (c CROSS JOIN a) FULL JOIN (SELECT id FROM u) AS u ON false FULL JOIN x ON false
+ORDER BY COALESCE(u.id, x.id) NULLS FIRST
 """)
 
 
@@ -361,23 +383,31 @@ class MarkedCommitted(NamedTuple):
 
 
 def mark_committed(
-    conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, done: Sequence[int], now: datetime,
+    conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, done: Sequence[Lease], now: datetime,
     finish: bool, event_actor: str | None, event_detail: dict[str, Any],
 ) -> MarkedCommitted:
-    """Winners `done` committed; with `finish`, the checkpoint too if none of its winners is left
-    COMMITTING. With `event_actor`, that mark also records a checkpoint_committed event (a commit
-    finished after its decision's call, e.g. by recovery); without, the checkpoint row
-    (committed_at) is the record."""
+    """Winners `done` (COMMITTING leases, as read) committed; with `finish`, the checkpoint too if
+    none of its winners is left COMMITTING. With `event_actor`, that mark also records a
+    checkpoint_committed event (a commit finished after its decision's call, e.g. by recovery);
+    without, the checkpoint row (committed_at) is the record. A COMMITTING lease changes no field
+    but its state until it ends, so a winner this marks is its lease as read, now COMMITTED; one
+    another finisher marked first comes back as it is."""
     require_transition(LeaseState.COMMITTING, LeaseState.COMMITTED)
     require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
     if finish:
         require_transition(AttemptState.COMMITTING, AttemptState.COMMITTED)
         require_transition(CheckpointState.COMMITTING, CheckpointState.COMMITTED)
     rows = _MARK_COMMITTED.rows(conn, {
-        "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "done": list(done),
+        "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "done": [x.id for x in done],
         "now": now, "finish": finish, "event_actor": event_actor, "detail": json.dumps(event_detail),
     }, planned_for_values=_planned_for_values(len(done)))
     marked = None
     if rows and rows[0]["c_id"] is not None:
         marked = Checkpoint.from_mapping(rows[0], "c_"), Attempt.from_mapping(rows[0], "a_")
-    return MarkedCommitted([Lease.from_mapping(r, "x_") for r in rows if r["x_id"] is not None], marked)
+    by_id = {x.id: x for x in done}
+    after = [
+        by_id[r["u_id"]].with_changes(state=LeaseState.COMMITTED, resolved_at=now) if r["u_id"] is not None
+        else Lease.from_mapping(r, "x_")
+        for r in rows if r["u_id"] is not None or r["x_id"] is not None
+    ]
+    return MarkedCommitted(after, marked)

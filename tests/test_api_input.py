@@ -234,6 +234,41 @@ def test_every_body_error_has_its_own_reason_in_the_one_format(world: World) -> 
 # --- statuses --------------------------------------------------------------------------------
 
 
+def test_the_depth_check_reads_the_nesting_of_any_json_document_from_its_bytes() -> None:
+    # compared with a walk of the parsed value, on documents whose strings hold brackets, quotes
+    # and backslashes (which must not count)
+    import random
+
+    from coordinator.http.input import depth_exceeds
+
+    def depth(v: Any) -> int:
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        return 1 + max(map(depth, children), default=0) if isinstance(v, dict | list) else 0
+
+    rng = random.Random(7)
+    pieces = ["[", "]", "{", "}", '"', "\\", '\\"', "x", "[]", "\u005b"]
+
+    def value(level: int) -> Any:
+        kind = rng.randrange(5 if level < 9 else 3)
+        if kind == 0:
+            return rng.randrange(-5, 1000)
+        if kind in (1, 2):
+            return "".join(rng.choice(pieces) for _ in range(rng.randrange(6)))
+        if kind == 3:
+            return [value(level + 1) for _ in range(rng.randrange(4))]
+        return {"".join(rng.choice(pieces) for _ in range(3)) + str(i): value(level + 1) for i in range(rng.randrange(4))}
+
+    seen = set()
+    for _ in range(3000):
+        doc = value(0)
+        raw = json.dumps(doc, ensure_ascii=rng.random() < 0.5).encode()
+        d = depth(doc)
+        seen.add(d)
+        for limit in (max(d - 1, 0), d, d + 1):
+            assert depth_exceeds(raw, limit) is (d > limit), (raw, d, limit)
+    assert seen >= set(range(0, 9)), seen
+
+
 def test_every_status_the_service_answers_is_documented(world: World) -> None:
     w = world
     reg = {"name": "retried", "transactional_id_prefix": "retried-tx", "bootstrap_servers": "k:9",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Coroutine
 from email.message import Message
 from typing import Annotated, Any
@@ -253,15 +254,22 @@ def _number_too_large(s: str) -> InputError:
                       fields=[{"field": "body", "message": "number too large"}])
 
 
-def _depth_exceeds(value: Any, limit: int) -> bool:
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return False
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_A_BRACKET = re.compile(rb"[^\[\]{}]+")
+_INNERMOST_PAIR = re.compile(rb"\[\]|\{\}")
+
+
+def depth_exceeds(raw: bytes, limit: int) -> bool:
+    """Whether a valid JSON document nests arrays and objects deeper than `limit`, read from its
+    bytes: without its strings and anything but brackets, each pass removing the innermost pairs
+    removes one level. A few C-speed passes, where walking the parsed value cost ~2 ms at 200
+    partitions with their first offsets."""
+    brackets = _NOT_A_BRACKET.sub(b"", _JSON_STRING.sub(b"", raw))
+    for _ in range(limit):
+        if not brackets:
+            return False
+        brackets = _INNERMOST_PAIR.sub(b"", brackets)
+    return bool(brackets)
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -287,7 +295,7 @@ def parse_json_body(raw: bytes) -> Any:
     except ValueError as exc:  # an integer beyond Python's conversion limit (4,300 digits)
         raise _number_too_large(str(exc)) from None
     # only a body with more containers than the limit can be too deep: skip the walk otherwise
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _depth_exceeds(value, MAX_JSON_DEPTH):
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and depth_exceeds(raw, MAX_JSON_DEPTH):
         raise refused("body_too_deep", too_deep)
     return value
 

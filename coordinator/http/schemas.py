@@ -132,8 +132,9 @@ class PartitionResultBody(Request):
         record = None
         if self.producer_id is not None:
             assert self.producer_epoch is not None and self.records is not None and self.bytes is not None
+            # (topic, partition, offset) tuples as validated: stored as JSON, where a tuple is an array
             record = PrecommitRecord(self.producer_id, self.producer_epoch, self.records, self.bytes, self.write_ms,
-                                     [list(x) for x in self.first_offsets] if self.first_offsets is not None else None)
+                                     self.first_offsets)
         return PartitionResult(self.partition, self.lease_id, record)
 
 

@@ -3,6 +3,7 @@ are column names); the rules and the invariant checker read them. No I/O here.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from functools import cache
@@ -194,7 +195,7 @@ class PrecommitRecord:
     records: int
     bytes: int
     write_ms: int | None = None  # a figure for operators, not part of the transaction's identity
-    first_offsets: list[list[Any]] | None = None  # [[topic, partition, offset], ...]: where to look in the log
+    first_offsets: Sequence[Sequence[Any]] | None = None  # [[topic, partition, offset], ...]: where to look in the log
 
     def identity(self) -> tuple[int, int, int, int]:
         return (self.producer_id, self.producer_epoch, self.records, self.bytes)

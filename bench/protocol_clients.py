@@ -204,7 +204,7 @@ def register_inprocess(url: str, names: list[str]) -> list[dict[str, str]]:
     from coordinator.store.db import make_engine
 
     engine = make_engine(url, pool_size=2)
-    c = Coordinator(engine, RecordingControlPlane())
+    c = Coordinator(engine, RecordingControlPlane(keep_history=False))
     try:
         for n in names:
             c.register_sink(SinkSpec(name=n, transactional_id_prefix=f"tx-{n}", bootstrap_servers="localhost:9092",

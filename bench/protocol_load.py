@@ -149,7 +149,7 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
 
             engine = make_engine(job["url"], pool_size=job["pool_size"])
             counter = SqlCounter(engine)
-            coordinator = Coordinator(engine, RecordingControlPlane())
+            coordinator = Coordinator(engine, RecordingControlPlane(keep_history=False))
             sinks: list[Any] = [InprocessSink(coordinator, s["name"]) for s in job["sinks"]]
         else:
             sinks = [HttpSink(job["base_url"], s["name"], s["token"]) for s in job["sinks"]]

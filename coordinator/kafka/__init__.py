@@ -34,7 +34,7 @@ def build_control_plane(kind: str | None, **kafka_options: Any) -> KafkaControlP
             "COORDINATOR_KAFKA_CONTROL_PLANE=none: commits and aborts are recorded but NEVER sent "
             "to Kafka. This mode is for tests only; never use it in production."
         )
-        return RecordingControlPlane()
+        return RecordingControlPlane(keep_history=False)  # a server's lists nobody reads would only grow
     if kind == "kafka":
         from .wire.control_plane import KafkaWireControlPlane  # imports kafka-python only when chosen
 

@@ -149,11 +149,14 @@ class KafkaControlPlane(Protocol):
 
 class RecordingControlPlane:
     """Test-only: records commits and aborts instead of sending them. `fail_next` makes the next
-    calls raise, so tests can exercise the coordinator's handling of Kafka failures."""
+    calls raise, so tests can exercise the coordinator's handling of Kafka failures. Without
+    `keep_history` (a server in the "none" mode, a benchmark) it forgets each commit and abort
+    once done: nobody reads that process's lists, and they grew by P entries per batch."""
 
     name = "none"
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_history: bool = True) -> None:
+        self.keep_history = keep_history
         self.commits: list[tuple[str, PreparedTransaction]] = []
         self.aborts: list[tuple[str, str]] = []
         self.open_transactions: list[OpenTransaction] = []
@@ -176,13 +179,15 @@ class RecordingControlPlane:
     def commit(self, target: KafkaTarget, txn: PreparedTransaction) -> None:
         self._maybe_fail()
         with self._lock:
-            self.commits.append((target.sink_name, txn))
+            if self.keep_history:
+                self.commits.append((target.sink_name, txn))
             self._end(txn.transactional_id)
 
     def abort(self, target: KafkaTarget, transactional_id: str) -> None:
         self._maybe_fail()
         with self._lock:
-            self.aborts.append((target.sink_name, transactional_id))
+            if self.keep_history:
+                self.aborts.append((target.sink_name, transactional_id))
             self._end(transactional_id)
 
     def _end(self, transactional_id: str) -> None:
@@ -193,7 +198,8 @@ class RecordingControlPlane:
         self, target: KafkaTarget, txn: PreparedTransaction, first_offsets: Sequence[FirstOffset]
     ) -> TransactionOutcome:
         with self._lock:
-            self.outcome_reads.append((txn.transactional_id, tuple(first_offsets)))
+            if self.keep_history:
+                self.outcome_reads.append((txn.transactional_id, tuple(first_offsets)))
             return self.outcomes.get(txn.transactional_id, TransactionOutcome.UNKNOWN)
 
     def list_open_transactions(self, target: KafkaTarget, prefix: str) -> list[OpenTransaction]:

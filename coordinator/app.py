@@ -3,6 +3,7 @@ factory uvicorn calls in every worker process."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -65,6 +66,11 @@ def create_app_from_env() -> FastAPI:
             "COORDINATOR_RECOVERY_ENABLED=false: this process never runs the recovery loop; decided commits "
             "finish only when a driver resumes them, and nothing sweeps lingering transactions"
         )
+    # The imports and the app leave ~130k objects that live as long as the process. Every full
+    # collection walked them all: ~60 ms with the GIL held, about once a second under 200-partition
+    # batches (their calls' p99). Frozen, collections skip them (garbage among them goes first).
+    gc.collect()
+    gc.freeze()
     return app
 
 

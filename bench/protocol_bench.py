@@ -4,10 +4,10 @@
 One batch (checkpoint cycle) = begin with the partition count (it pre-leases each partition's first
 try), then the executors' work (each in its own thread, all at once; first tries make no call),
 then commit naming every winner with its pre-commit record (as the writer's executor reports it:
-figures, and a first offset per topic-partition written, --topic-partitions): 2 calls per batch. (Against a server
-of the per-call protocol it falls back to one lease + one pre-commit per partition.) Many
-simulated drivers run batches back to back, one sink each (a query runs one micro-batch at a time
-per sink). Modes:
+figures, and a first offset per topic-partition written, --topic-partitions): 2 calls per batch.
+(Against a server of the per-call protocol it falls back to one lease + one pre-commit per
+partition.) Many simulated drivers run batches back to back, one sink each (a query runs one
+micro-batch at a time per sink). Modes:
   inprocess  the drivers call `Coordinator` directly: the coordinator's logic and Postgres only;
   http       a real `coordinator serve` (uvicorn, --workers, as deployed) with
              COORDINATOR_KAFKA_CONTROL_PLANE=none, driven by keep-alive http.client connections.

@@ -183,9 +183,8 @@ class HttpSink:
                records: list[Record] | None = None) -> int:
         parts = [{"partition": p, "lease_id": lid} for p, lid in winners]
         for part, r in zip(parts, records or []):
-            part.update(producer_id=r.producer_id, producer_epoch=0, records=r.records, bytes=r.records * 100)
-            if r.write_ms is not None:
-                part.update(write_ms=r.write_ms, first_offsets=r.first_offsets)
+            part.update(producer_id=r.producer_id, producer_epoch=0, records=r.records, bytes=r.records * 100,
+                        write_ms=r.write_ms, first_offsets=r.first_offsets)
         body = {"generation": generation, "partitions": parts}
         return len(self._post(f"/checkpoints/{batch_id}/attempts/{attempt}/commit", body)["committed"])
 

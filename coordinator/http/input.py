@@ -294,7 +294,7 @@ def parse_json_body(raw: bytes) -> Any:
         raise refused("body_too_deep", too_deep) from None
     except ValueError as exc:  # an integer beyond Python's conversion limit (4,300 digits)
         raise _number_too_large(str(exc)) from None
-    # only a body with more containers than the limit can be too deep: skip the walk otherwise
+    # only a body with more containers than the limit can be too deep: skip the check otherwise
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and depth_exceeds(raw, MAX_JSON_DEPTH):
         raise refused("body_too_deep", too_deep)
     return value

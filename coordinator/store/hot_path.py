@@ -195,17 +195,17 @@ def insert_attempt_with_leases(
 ) -> NewAttempt:
     if taken:
         require_transition(TransactionalIdState.FREE, TransactionalIdState.LEASED)
+    tids = [tid for _, tid in taken]
     rows = _NEW_ATTEMPT.rows(conn, {
         "checkpoint_id": checkpoint_id, "sink_id": sink.id, "number": number, "generation": generation,
         "partitions": partitions, "now": now, "task_attempt_id": task_attempt_id,
         "lease_partitions": list(range(len(taken))),
-        "tids": [tid for _, tid in taken], "deadline_at": deadline_at,
+        "tids": tids, "deadline_at": deadline_at,
     }, planned_for_values=_planned_for_values(len(taken)))
     first = rows[0]
     if first["checkpoints_updated"] != 1:
         raise AssertionError("the checkpoint changed under begin's lock")
     attempt = Attempt.from_mapping(first, "a_")
-    tids = [tid for _, tid in taken]
     new_leases = [
         Lease.from_fields(
             id=r["l_id"], sink_id=sink.id, checkpoint_id=checkpoint_id, attempt_id=attempt.id, partition=r["l_partition"],

@@ -59,6 +59,50 @@ def pg_settings(url: str) -> dict[str, str]:
     return out
 
 
+def seed_history(url: str, tag: str, checkpoints: int, partitions: int = 4) -> float:
+    """A retired sink's history of `checkpoints` committed batches (an attempt, `partitions`
+    leases and an event each), then ANALYZE: the tables a running deployment has, not empty ones.
+    On near-empty tables Postgres plans prepared statements with sequential scans, and keeps those
+    generic plans until (auto)vacuum or ANALYZE next touches the table: a fresh database's first
+    minutes, not the steady state the benchmark measures. Returns the seconds it took."""
+    import psycopg
+
+    t0 = time.monotonic()
+    name = f"bench-history-{tag}"
+    with psycopg.connect(plain_url(url), autocommit=False) as conn:
+        (sink_id,) = conn.execute(
+            "INSERT INTO sinks (name, transactional_id_prefix, bootstrap_servers, topics, transaction_timeout_ms, "
+            "commit_margin_ms, max_pool_size, generation, lineage_query_id, created_at, retired_at) "
+            "VALUES (%s, %s, 'localhost:9', '[\"history\"]', 60000, 10000, %s, 1, 'history', now(), now()) "
+            "RETURNING id", (name, name + ".", partitions)).fetchone()
+        conn.execute(
+            "INSERT INTO checkpoints (sink_id, query_id, batch_id, state, current_attempt, committed_attempt, "
+            "created_at, decided_at, committed_at) "
+            "SELECT %s, 'history', g, 'COMMITTED', 1, 1, now(), now(), now() FROM generate_series(1, %s) g",
+            (sink_id, checkpoints))
+        conn.execute(
+            "INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at, "
+            "decided_at, finished_at, job_ms) "
+            "SELECT id, sink_id, 1, 1, 'COMMITTED', %s, now(), now(), now(), 5 FROM checkpoints WHERE sink_id = %s",
+            (partitions, sink_id))
+        conn.execute(
+            "INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, "
+            "state, leased_at, deadline_at, producer_id, producer_epoch, records, bytes, precommitted_at, "
+            "resolved_at, write_ms, first_offsets) "
+            "SELECT a.sink_id, a.checkpoint_id, a.id, p, 0, %s || p, 'COMMITTED', now(), now(), 1000 + p, 0, 100, "
+            "10000, now(), now(), 5, '[[\"history\", 0, 0]]' FROM attempts a, generate_series(0, %s) p "
+            "WHERE a.sink_id = %s",
+            (name + ".", partitions - 1, sink_id))
+        conn.execute(
+            "INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail) "
+            "SELECT sink_id, id, now(), 'commit_decided', 'history', '{}' FROM checkpoints WHERE sink_id = %s",
+            (sink_id,))
+        conn.commit()
+        conn.autocommit = True
+        conn.execute("VACUUM ANALYZE")
+    return time.monotonic() - t0
+
+
 def pg_counters(url: str) -> tuple[int, int, int]:
     """(commits, rollbacks, sessions opened) of the current database so far. Backends flush their
     counters about once a second, so a delta over a window is approximate."""

@@ -45,7 +45,7 @@ for p in (str(BENCH), str(ROOT)):  # `python bench/protocol_bench.py` from a che
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from measure import figure_line, floor, log, pg_settings, start_embedded_postgres, statement_cost  # noqa: E402
+from measure import figure_line, floor, log, pg_settings, seed_history, start_embedded_postgres, statement_cost  # noqa: E402
 from protocol_clients import Server, register_http, register_inprocess, sink_names  # noqa: E402
 from protocol_load import CALLS, check_record, run_load, split  # noqa: E402
 
@@ -161,6 +161,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="SQLAlchemy pool_size per engine, as COORDINATOR_DB_POOL_SIZE (default 20)")
     ap.add_argument("--server-log-level", default="warning", choices=("debug", "info", "warning", "error"),
                     help="COORDINATOR_LOG_LEVEL of the server ('info' adds uvicorn's access log) (default warning)")
+    ap.add_argument("--history", type=int, default=50_000,
+                    help="committed batches of history seeded before the runs, so Postgres plans for tables of a "
+                         "running deployment, not empty ones (default 50000; 0: none)")
     ap.add_argument("--floor-seconds", type=float, default=3, help="seconds of the floor loop (0: skip)")
     ap.add_argument("--floor-threads", type=int, default=8, help="connections of the floor's update loop (default 8)")
     ap.add_argument("--max-connections", type=int, default=400, help="embedded Postgres max_connections")
@@ -191,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
 
         migrate(url)
         settings = pg_settings(url)
+        if args.history > 0:
+            log(f"seeding a history of {args.history} committed batches (then VACUUM ANALYZE)")
+            log(f"  seeded in {seed_history(url, tag, args.history):.1f} s")
         log(f"Postgres {settings['server_version']}, fsync={settings['fsync']}, "
             f"synchronous_commit={settings['synchronous_commit']}, max_connections={settings['max_connections']}")
         if args.floor_seconds > 0:

@@ -23,7 +23,7 @@ import measure  # noqa: E402
 def test_protocol_bench_runs_both_modes_and_prints_its_figure_lines(database_url: str, tmp_path: Path) -> None:
     cmd = [sys.executable, str(BENCH / "protocol_bench.py"), "--database-url", database_url, "--seconds", "1",
            "--warmup", "0.5", "--shape", "2:1", "--procs", "1", "--workers", "1", "--floor-seconds", "0.5",
-           "--floor-threads", "2", "--json", str(tmp_path / "out.json")]
+           "--floor-threads", "2", "--history", "300", "--json", str(tmp_path / "out.json")]
     out = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -131,6 +131,25 @@ def test_floor_measures_committed_updates(database_url: str) -> None:
     # the rate is what was committed: the rows' counters agree with it
     assert done > 0 and figures["update_tx_per_s"] > 0
     assert abs(int(done) - figures["update_tx_per_s"] * 0.3) <= 0.5 * int(done) + 5
+
+
+def test_seeded_history_is_committed_batches_of_a_retired_sink_and_analyzed(database_url: str) -> None:
+    import psycopg
+
+    measure.seed_history(database_url, "t1", checkpoints=50, partitions=3)
+    with psycopg.connect(measure.plain_url(database_url), autocommit=True) as conn:
+        sinks = conn.execute("SELECT name, retired_at IS NOT NULL FROM sinks").fetchall()
+        assert sinks == [("bench-history-t1", True)]
+        counts = conn.execute(
+            "SELECT (SELECT count(*) FROM checkpoints WHERE state = 'COMMITTED'), "
+            "(SELECT count(*) FROM attempts WHERE state = 'COMMITTED'), "
+            "(SELECT count(*) FROM leases WHERE state = 'COMMITTED' AND resolved_at IS NOT NULL), "
+            "(SELECT count(*) FROM events), (SELECT count(*) FROM checkpoints WHERE state <> 'COMMITTED')").fetchone()
+        assert counts == (50, 50, 150, 50, 0)
+        # every table's statistics now describe its rows (the planner's view of a running deployment)
+        stats = dict(conn.execute("SELECT relname, reltuples FROM pg_class WHERE relname IN "
+                                  "('checkpoints', 'attempts', 'leases', 'events')").fetchall())
+        assert stats == {"checkpoints": 50, "attempts": 50, "leases": 150, "events": 50}
 
 
 def test_http_overhead_bench_prints_a_line_per_variant() -> None:

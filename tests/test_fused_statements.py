@@ -140,3 +140,30 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
                                          event_detail={"by": "test"})
         assert marked.marked is not None and marked.marked[0].state is CheckpointState.COMMITTED
         assert all(x.state is LeaseState.COMMITTED for x in marked.leases)
+
+
+def test_only_the_committed_mark_commits_without_waiting_for_the_wal_flush(
+    db_clock_coordinator: Coordinator, engine: Engine
+) -> None:
+    """The mark records what Kafka already holds (a lost one is finished again), so its transaction
+    alone commits asynchronously; begin's leases and the decision wait for the flush, and the
+    setting does not outlive the mark's transaction on its pooled connection."""
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    at_commit: list[tuple[str, str]] = []
+
+    def before_commit(conn: Any) -> None:
+        raw = conn.connection.driver_connection
+        setting = raw.execute("SHOW synchronous_commit").fetchone()[0]
+        state = raw.execute("SELECT state FROM checkpoints ORDER BY id DESC LIMIT 1").fetchone()
+        at_commit.append((state[0] if state else "-", setting))
+
+    event.listen(engine, "commit", before_commit)
+    for batch_id in (1, 2):
+        begun = c.begin_checkpoint(NAME, batch_id, gen, "test", partitions=2)
+        results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50))
+                   for x in begun.pre_leases]
+        c.commit(NAME, batch_id, begun.attempt.number, gen, results, "test")
+    event.remove(engine, "commit", before_commit)
+    # per batch: begin (OPEN), the decision (COMMITTING), the mark (COMMITTED)
+    assert at_commit == [("OPEN", "on"), ("COMMITTING", "on"), ("COMMITTED", "off")] * 2, at_commit

@@ -189,7 +189,7 @@ class CoordinatorBase:
         def record_all_committed(conn: Connection) -> CommitResult | None:
             """record() when Kafka committed every pending winner: the same writes in 2 statements."""
             outcome.clear()
-            locked, db_now = hot_path.lock_checkpoint(conn, cp.id)
+            locked, db_now = hot_path.lock_checkpoint_for_mark(conn, cp.id)
             now = now_from(self.clock, conn, db_now)
             checkpoint_leases, marked = hot_path.mark_committed(
                 conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, done=pending,

@@ -328,12 +328,24 @@ def decide(
 # --- commit: marking it committed after Kafka ---------------------------------------------------
 
 
-_LOCK_CHECKPOINT = DriverStatement(f"SELECT {_names(checkpoints)}, clock_timestamp() AS db_now FROM checkpoints "
-                        "WHERE id = :checkpoint_id FOR UPDATE")
+# The mark's transaction commits asynchronously (synchronous_commit off for it alone): it records
+# what Kafka already holds, so losing it in a Postgres crash leaves the decision COMMITTING, and
+# whoever finds it (recovery, the next begin, a resume) commits again on Kafka, which answers a
+# completed commit as success. That is the state a coordinator crash between Kafka's commit and
+# the mark leaves too. Any later synchronous commit (the next begin, decision) flushes the WAL up
+# to it, so nothing that depends on it (an id it freed, leased again) outlives a crash without it.
+# The decision and the leases stay synchronous: they are the durable facts (docs/design.md, step 5).
+_LOCK_CHECKPOINT_FOR_MARK = DriverStatement(
+    f"SELECT {_names(checkpoints)}, clock_timestamp() AS db_now, "
+    "set_config('synchronous_commit', 'off', true) AS synchronous_commit "
+    "FROM checkpoints WHERE id = :checkpoint_id FOR UPDATE"
+)
 
 
-def lock_checkpoint(conn: Connection, checkpoint_id: int) -> tuple[Checkpoint, datetime]:
-    row = _LOCK_CHECKPOINT.one(conn, {"checkpoint_id": checkpoint_id})
+def lock_checkpoint_for_mark(conn: Connection, checkpoint_id: int) -> tuple[Checkpoint, datetime]:
+    """The checkpoint locked, the database's clock after the lock, and this transaction's commit
+    made asynchronous (the transaction must write only the committed mark)."""
+    row = _LOCK_CHECKPOINT_FOR_MARK.one(conn, {"checkpoint_id": checkpoint_id})
     return Checkpoint.from_mapping(row), row["db_now"]
 
 

@@ -59,3 +59,31 @@ def test_state_columns_only_take_their_machine_states(engine):
     for table in ("checkpoints", "attempts", "leases", "transactional_ids"):
         checks = {c["name"] for c in insp.get_check_constraints(table)}
         assert f"ck_{table}_state" in checks
+
+
+def test_a_lease_must_name_its_attempts_checkpoint_and_sink(engine):
+    """One composite foreign key (migration 0010): a lease's checkpoint_id and sink_id are its
+    attempt's, checked in one lookup per inserted lease."""
+    import pytest
+    from sqlalchemy import text
+    from sqlalchemy.exc import IntegrityError
+
+    with engine.begin() as conn:
+        sink = conn.execute(text(
+            "INSERT INTO sinks (name, transactional_id_prefix, bootstrap_servers, topics, transaction_timeout_ms, "
+            "commit_margin_ms, max_pool_size, created_at) VALUES ('s', 's-', 'k:9092', '[]', 60000, 10000, 4, now()) "
+            "RETURNING id")).scalar_one()
+        cps = [conn.execute(text(
+            "INSERT INTO checkpoints (sink_id, query_id, batch_id, state, created_at) "
+            "VALUES (:s, 'q', :b, 'OPEN', now()) RETURNING id"), {"s": sink, "b": b}).scalar_one() for b in (1, 2)]
+        attempt = conn.execute(text(
+            "INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, started_at) "
+            "VALUES (:c, :s, 1, 0, 'OPEN', now()) RETURNING id"), {"c": cps[0], "s": sink}).scalar_one()
+    lease = ("INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, "
+             "state, leased_at, deadline_at) VALUES (:s, :c, :a, 0, :t, 's-0', 'LEASED', now(), now())")
+    with engine.begin() as conn:
+        conn.execute(text(lease), {"s": sink, "c": cps[0], "a": attempt, "t": 0})
+    for task, wrong in enumerate( ({"s": sink, "c": cps[1], "a": attempt}, {"s": sink + 1, "c": cps[0], "a": attempt},
+                  {"s": sink, "c": cps[0], "a": attempt + 1}), start=1):
+        with pytest.raises(IntegrityError, match="fk_leases_attempt_id_attempts"), engine.begin() as conn:
+            conn.execute(text(lease), {**wrong, "t": task})

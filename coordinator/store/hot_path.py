@@ -363,8 +363,8 @@ WITH u AS (
     WHERE id = ANY(CAST(:done AS bigint[])) AND state = 'COMMITTING' RETURNING *
 ), t AS (
     UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = :now, reusable_at = NULL
-    FROM leases AS d WHERE d.id = ANY(CAST(:done AS bigint[]))
-    AND t.transactional_id = d.transactional_id AND t.lease_id = d.id AND t.state = 'LEASED'
+    FROM unnest(CAST(:done AS bigint[]), CAST(:done_ids AS text[])) AS d(id, transactional_id)
+    WHERE t.transactional_id = d.transactional_id AND t.lease_id = d.id AND t.state = 'LEASED'
 ), a AS (
     UPDATE attempts SET state = 'COMMITTED', finished_at = :now
     WHERE id = :attempt_id AND state = 'COMMITTING' AND CAST(:finish AS boolean)
@@ -411,6 +411,7 @@ def mark_committed(
         require_transition(CheckpointState.COMMITTING, CheckpointState.COMMITTED)
     rows = _MARK_COMMITTED.rows(conn, {
         "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "done": [x.id for x in done],
+        "done_ids": [x.transactional_id for x in done],  # a lease's id never changes: no join to leases
         "now": now, "finish": finish, "event_actor": event_actor, "detail": json.dumps(event_detail),
     }, planned_for_values=_planned_for_values(len(done)))
     marked = None

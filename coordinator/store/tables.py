@@ -9,6 +9,7 @@ from sqlalchemy import (
     Column,
     DateTime,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
     MetaData,
@@ -109,6 +110,8 @@ attempts = Table(
     Column("abort_reason", String(200), nullable=True),
     Column("job_ms", BigInteger, nullable=True),
     UniqueConstraint("checkpoint_id", "number"),
+    # the key of leases' one foreign key (migration 0010)
+    UniqueConstraint("id", "checkpoint_id", "sink_id"),
     _states("OPEN", "COMMITTING", "COMMITTED", "ABORTED", "LOST"),
     # "every open attempt of this sink" at begin checkpoint and generation start: queries add
     # `finished_at IS NULL` (OPEN or COMMITTING) to `state = 'OPEN'`; no index covers `state`, so
@@ -142,9 +145,9 @@ leases = Table(
     "leases",
     metadata,
     Column("id", BigInteger, primary_key=True),
-    Column("sink_id", BigInteger, ForeignKey("sinks.id"), nullable=False),
-    Column("checkpoint_id", BigInteger, ForeignKey("checkpoints.id"), nullable=False),
-    Column("attempt_id", BigInteger, ForeignKey("attempts.id"), nullable=False),
+    Column("sink_id", BigInteger, nullable=False),
+    Column("checkpoint_id", BigInteger, nullable=False),
+    Column("attempt_id", BigInteger, nullable=False),
     Column("partition", Integer, nullable=False),
     Column("task_attempt_id", BigInteger, nullable=False),
     Column("transactional_id", String(255), nullable=False),
@@ -162,6 +165,10 @@ leases = Table(
     # topic-partition; parsed only when Kafka refuses the commit (migration 0009)
     Column("first_offsets", Text, nullable=True),
     UniqueConstraint("attempt_id", "partition", "task_attempt_id"),
+    # its attempt, and that attempt's checkpoint and sink (copied here): one check per inserted
+    # lease instead of one per column (migration 0010)
+    ForeignKeyConstraint(["attempt_id", "checkpoint_id", "sink_id"],
+                         ["attempts.id", "attempts.checkpoint_id", "attempts.sink_id"]),
     _states("LEASED", "PRECOMMITTED", "COMMITTING", "COMMITTED", "ABORTING", "ABORTED", "LOST_ABORTING", "LOST"),
     # resolved_at is set exactly when a lease reaches an end state (migration 0008)
     CheckConstraint("(state IN ('COMMITTED', 'ABORTED', 'LOST')) = (resolved_at IS NOT NULL)", name="resolved"),

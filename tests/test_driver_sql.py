@@ -141,3 +141,25 @@ def test_statements_over_many_rows_are_planned_for_their_values_not_prepared(
     sized = [s for s in statements if any(m in s for m in marks)]
     assert len(sized) == (len(marks) if prepared else 0), sized
     assert any("FOR SHARE OF s FOR UPDATE OF c, a" in s for s in statements)  # the fixed ones stay prepared
+
+
+def test_array_literals_read_back_as_the_lists_they_were_made_from(engine: Engine) -> None:
+    """int_array / text_array (array parameters as one text literal, not psycopg's per-element
+    list dumper) against Postgres' own parser: random strings with quotes, backslashes, commas,
+    braces, spaces, NULL-looking words and non-ASCII, and integers across bigint's range."""
+    import random
+
+    from coordinator.store.driver_sql import int_array, text_array
+
+    rng = random.Random(12)
+    alphabet = ['"', "\\", ",", "{", "}", " ", "\t", "'", "a", "Z", "0", "é", "日", "NULL", ":", "%"]
+    stmt = DriverStatement("SELECT CAST(:ints AS bigint[]) AS ints, CAST(:texts AS text[]) AS texts")
+    with engine.begin() as conn:
+        for _ in range(300):
+            ints = [rng.choice([0, -1, 2**63 - 1, -(2**63), rng.randint(-10**12, 10**12)])
+                    for _ in range(rng.randint(0, 8))]
+            texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6))) for _ in range(rng.randint(0, 8))]
+            row = stmt.one(conn, {"ints": int_array(ints), "texts": text_array(texts)})
+            assert (row["ints"], row["texts"]) == (ints, texts)
+    with pytest.raises(TypeError):
+        int_array([1.5])  # type: ignore[list-item]

@@ -19,7 +19,7 @@ kept:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -51,6 +51,18 @@ class Row(tuple):  # type: ignore[type-arg]
 def _row_type(names: tuple[str, ...]) -> type[Row]:
     """One Row subclass per column list (the hot path has a few fixed ones)."""
     return type("Row", (Row,), {"__slots__": (), "columns": {name: i for i, name in enumerate(names)}})
+
+
+def int_array(values: Iterable[int]) -> str:
+    """A Postgres array literal of integers, bound as text to `CAST(:x AS bigint[])`. psycopg's
+    list dumper checks every element in Python: ~6 µs each, ~1.2 ms per 200-element array."""
+    return "{" + ",".join(map(int.__repr__, values)) + "}"  # a TypeError for anything but an int
+
+
+def text_array(values: Iterable[str]) -> str:
+    """A Postgres array literal of strings (each double-quoted, backslash and quote escaped), bound
+    as text to `CAST(:x AS text[])`, for the reason int_array gives."""
+    return "{" + ",".join(['"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values]) + "}"
 
 
 class DriverStatement:

@@ -27,7 +27,7 @@ from ..protocol.states import (
     TransactionalIdState,
     require_transition,
 )
-from .driver_sql import DriverStatement
+from .driver_sql import DriverStatement, int_array, text_array
 from .tables import attempts, checkpoints, leases, sinks
 
 
@@ -199,8 +199,8 @@ def insert_attempt_with_leases(
     rows = _NEW_ATTEMPT.rows(conn, {
         "checkpoint_id": checkpoint_id, "sink_id": sink.id, "number": number, "generation": generation,
         "partitions": partitions, "now": now, "task_attempt_id": task_attempt_id,
-        "lease_partitions": list(range(len(taken))),
-        "tids": tids, "deadline_at": deadline_at,
+        "lease_partitions": int_array(range(len(taken))),
+        "tids": text_array(tids), "deadline_at": deadline_at,
     }, planned_for_values=_planned_for_values(len(taken)))
     first = rows[0]
     if first["checkpoints_updated"] != 1:
@@ -410,8 +410,8 @@ def mark_committed(
         require_transition(AttemptState.COMMITTING, AttemptState.COMMITTED)
         require_transition(CheckpointState.COMMITTING, CheckpointState.COMMITTED)
     rows = _MARK_COMMITTED.rows(conn, {
-        "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "done": [x.id for x in done],
-        "done_ids": [x.transactional_id for x in done],  # a lease's id never changes: no join to leases
+        "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "done": int_array([x.id for x in done]),
+        "done_ids": text_array([x.transactional_id for x in done]),  # a lease's id never changes: no join to leases
         "now": now, "finish": finish, "event_actor": event_actor, "detail": json.dumps(event_detail),
     }, planned_for_values=_planned_for_values(len(done)))
     marked = None

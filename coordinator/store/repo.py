@@ -300,7 +300,8 @@ def take_free_transactional_ids(conn: Connection, sink: Sink, n: int, now: datet
     growing = False
     for _ in range(64):
         rows = _FREE_IDS.rows(conn, {"sink_id": sink.id, "now": now, "n": n - len(taken)})
-        taken += [(r["id"], r["transactional_id"]) for r in rows if (r["id"], r["transactional_id"]) not in taken]
+        held = set(taken)  # rows this transaction locked already come back (SKIP LOCKED skips others' only)
+        taken += [pair for pair in map(tuple, rows) if pair not in held]
         if len(taken) == n:
             return taken
         if not growing:

@@ -246,7 +246,7 @@ def test_the_depth_check_reads_the_nesting_of_any_json_document_from_its_bytes()
         return 1 + max(map(depth, children), default=0) if isinstance(v, dict | list) else 0
 
     rng = random.Random(7)
-    pieces = ["[", "]", "{", "}", '"', "\\", '\\"', "x", "[]", "é"]
+    pieces = ["[", "]", "{", "}", '"', "\\", '\\"', "x", "[]", "é", "\n", '""', '"[']
 
     def value(level: int) -> Any:
         kind = rng.randrange(5 if level < 9 else 3)

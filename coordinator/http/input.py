@@ -254,22 +254,28 @@ def _number_too_large(s: str) -> InputError:
                       fields=[{"field": "body", "message": "number too large"}])
 
 
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_A_BRACKET = re.compile(rb"[^\[\]{}]+")
+_BRACKETS_AND_QUOTES = bytes(range(256)).translate(None, b'[]{}"')  # every other byte: deleted
 _INNERMOST_PAIR = re.compile(rb"\[\]|\{\}")
 
 
 def depth_exceeds(raw: bytes, limit: int) -> bool:
     """Whether a valid JSON document nests arrays and objects deeper than `limit`, read from its
-    bytes: without its strings and anything but brackets, each pass removing the innermost pairs
-    removes one level. A few C-speed passes, where walking the parsed value cost ~2 ms at 200
-    partitions with their first offsets."""
-    brackets = _NOT_A_BRACKET.sub(b"", _JSON_STRING.sub(b"", raw))
+    bytes at C speed (walking the parsed value cost ~2 ms at 200 partitions with their first
+    offsets). Escapes go first (backslash pairs from the left, as JSON reads them, then escaped
+    quotes: no other escape holds a quote or a bracket), then every byte but brackets and quotes.
+    The quotes left delimit the strings, whose brackets do not count. Any two adjacent quotes can
+    go first (an empty string, or two strings whose separator was removed: nothing between them
+    was outside). Each pass removing the innermost pairs then removes one level."""
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside_strings = raw.translate(None, _BRACKETS_AND_QUOTES).replace(b'""', b"")
+    if b'"' in outside_strings:  # strings holding brackets
+        outside_strings = b"".join(outside_strings.split(b'"')[::2])
     for _ in range(limit):
-        if not brackets:
+        if not outside_strings:
             return False
-        brackets = _INNERMOST_PAIR.sub(b"", brackets)
-    return bool(brackets)
+        outside_strings = _INNERMOST_PAIR.sub(b"", outside_strings)
+    return bool(outside_strings)
 
 
 def parse_json_body(raw: bytes) -> Any:

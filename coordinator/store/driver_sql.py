@@ -55,7 +55,8 @@ def _row_type(names: tuple[str, ...]) -> type[Row]:
 
 def int_array(values: Iterable[int]) -> str:
     """A Postgres array literal of integers, bound as text to `CAST(:x AS bigint[])`. psycopg's
-    list dumper checks every element in Python: ~6 µs each, ~1.2 ms per 200-element array."""
+    list dumper works element by element in Python: ~0.17 ms per 200-element array, against
+    ~0.03 ms to build this literal."""
     return "{" + ",".join(map(int.__repr__, values)) + "}"  # a TypeError for anything but an int
 
 

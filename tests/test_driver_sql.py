@@ -137,7 +137,7 @@ def test_statements_over_many_rows_are_planned_for_their_values_not_prepared(
     finally:
         c.close()
         engine.dispose()
-    marks = ("INSERT INTO attempts", "jsonb_to_recordset", "SET state = 'COMMITTED', resolved_at")
+    marks = ("INSERT INTO attempts", "AS jsonb) AS doc", "SET state = 'COMMITTED', resolved_at")
     sized = [s for s in statements if any(m in s for m in marks)]
     assert len(sized) == (len(marks) if prepared else 0), sized
     assert any("FOR SHARE OF s FOR UPDATE OF c, a" in s for s in statements)  # the fixed ones stay prepared
@@ -163,3 +163,69 @@ def test_array_literals_read_back_as_the_lists_they_were_made_from(engine: Engin
             assert (row["ints"], row["texts"]) == (ints, texts)
     with pytest.raises(TypeError):
         int_array([1.5])  # type: ignore[list-item]
+
+
+def test_generic_plans_reach_rows_by_index_whatever_the_state_statistics(database_url: str) -> None:
+    """Every statement a batch runs often enough to be prepared, planned generically after the
+    statistics of a deployment's history (12,000 committed leases, 10,000 free ids of another sink):
+    none scans a whole table that grows with history. The hot path's row writes compare a state
+    (`state = 'LEASED'`, 'FREE', ...) that such statistics say almost no row has; before the writes
+    named their rows' keys as an array, the decision's generic plan scanned every lease."""
+    import re
+
+    from coordinator.kafka.control_plane import RecordingControlPlane
+    from coordinator.store.db import sqlalchemy_url
+    from psycopg import ClientCursor
+    from sqlalchemy import create_engine
+
+    from bench.measure import plain_url, seed_history
+
+    engine = create_engine(sqlalchemy_url(database_url), pool_size=1, max_overflow=0)  # one session to look at
+    seen: dict[str, dict[str, Any]] = {}  # each statement run, with the parameters of its last run
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def record(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        if isinstance(parameters, dict):
+            seen[statement] = dict(parameters)
+
+    c = Coordinator(engine, RecordingControlPlane())
+    try:
+        c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
+        generation, _ = c.start_generation(NAME, "q", "r", "test")
+        for batch_id in range(6):  # psycopg prepares a statement at its 5th execution
+            _cycle(c, generation, batch_id)
+        seed_history(database_url, "plans", checkpoints=3000, partitions=4)
+        with psycopg.connect(plain_url(database_url), autocommit=True) as other:
+            other.execute("INSERT INTO transactional_ids (sink_id, ordinal, transactional_id, state, released_at) "
+                          "SELECT s.id, g, 'plans-' || g, 'FREE', now() FROM sinks s, generate_series(10, 10009) g "
+                          "WHERE s.name = 'bench-history-plans'")
+            other.execute("ANALYZE")
+        with engine.connect() as conn:
+            raw = conn.connection.driver_connection
+            raw.execute("SET plan_cache_mode = force_generic_plan")
+            prepared = dict(raw.execute("SELECT statement, name FROM pg_prepared_statements").fetchall())
+            scans: dict[str, list[str]] = {}
+            for statement, params in seen.items():
+                order: list[str] = []  # psycopg numbers the parameters by first appearance
+                for name in re.findall(r"%\((\w+)\)s", statement):
+                    if name not in order:
+                        order.append(name)
+                numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${order.index(m.group(1)) + 1}", statement)
+                if numbered not in prepared:
+                    continue
+                args = ClientCursor(raw).mogrify(", ".join(["%s"] * len(order)), [params[n] for n in order])
+                (plan,) = raw.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {prepared[numbered]}({args})").fetchone()
+                nodes, found = [plan[0]["Plan"]], []
+                while nodes:
+                    node = nodes.pop()
+                    nodes += node.get("Plans", [])
+                    if node["Node Type"] == "Seq Scan" and node["Relation Name"] != "sinks":
+                        found.append(node["Relation Name"])
+                scans[" ".join(statement.split())] = found
+    finally:
+        c.close()
+        engine.dispose()
+    hot = ("INSERT INTO attempts (", "UPDATE leases AS l SET state = 'COMMITTING'", "SET state = 'COMMITTED', resolved_at",
+           "FOR UPDATE SKIP LOCKED", "FOR SHARE OF s FOR UPDATE OF c, a")
+    assert all(any(h in s for s in scans) for h in hot), sorted(scans)  # the hot path's statements were looked at
+    assert {s[:120]: found for s, found in scans.items() if found} == {}

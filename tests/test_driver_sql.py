@@ -165,15 +165,19 @@ def test_array_literals_read_back_as_the_lists_they_were_made_from(engine: Engin
         int_array([1.5])  # type: ignore[list-item]
 
 
-def test_generic_plans_reach_rows_by_index_whatever_the_state_statistics(database_url: str) -> None:
-    """Every statement a batch runs often enough to be prepared, planned generically after the
-    statistics of a deployment's history (12,000 committed leases, 10,000 free ids of another sink):
-    none scans a whole table that grows with history. The hot path's row writes compare a state
-    (`state = 'LEASED'`, 'FREE', ...) that such statistics say almost no row has; before the writes
-    named their rows' keys as an array, the decision's generic plan scanned every lease."""
+@pytest.mark.parametrize("partitions", [2, 40])
+def test_plans_reach_rows_by_index_whatever_the_state_statistics(database_url: str, partitions: int) -> None:
+    """Every statement a batch runs (begin and commit), planned as it runs (prepared: the generic plan; over more than
+    GENERIC_PLAN_MAX_ROWS rows: a plan for its values) over a deployment's statistics: 12,000
+    committed leases and 10,000 free ids of 25 other sinks. None scans a whole table that grows with
+    history or with other sinks. The hot path's writes compare a state (`state = 'LEASED'`, ...)
+    that such statistics say almost no row has; before they named their rows' keys as arrays, the
+    decision's generic plan scanned every lease, and the committed mark's plan for 40 ids scanned
+    every id (and re-read its pairs once per id)."""
     import re
 
     from coordinator.kafka.control_plane import RecordingControlPlane
+    from coordinator.service import Limits
     from coordinator.store.db import sqlalchemy_url
     from psycopg import ClientCursor
     from sqlalchemy import create_engine
@@ -181,28 +185,36 @@ def test_generic_plans_reach_rows_by_index_whatever_the_state_statistics(databas
     from bench.measure import plain_url, seed_history
 
     engine = create_engine(sqlalchemy_url(database_url), pool_size=1, max_overflow=0)  # one session to look at
-    seen: dict[str, dict[str, Any]] = {}  # each statement run, with the parameters of its last run
+    seen: dict[str, dict[str, Any]] = {}  # each statement a batch ran, with the parameters of its last run
 
-    @event.listens_for(engine, "before_cursor_execute")
     def record(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
         if isinstance(parameters, dict):
             seen[statement] = dict(parameters)
 
-    c = Coordinator(engine, RecordingControlPlane())
+    c = Coordinator(engine, RecordingControlPlane(), limits=Limits(max_partitions=256))
     try:
         c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
         generation, _ = c.start_generation(NAME, "q", "r", "test")
+        event.listen(engine, "before_cursor_execute", record)
         for batch_id in range(6):  # psycopg prepares a statement at its 5th execution
-            _cycle(c, generation, batch_id)
+            begun = c.begin_checkpoint(NAME, batch_id, generation, "test", partitions=partitions)
+            results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50, 3,
+                                                                          [["out", x.partition, batch_id]]))
+                       for x in begun.pre_leases]
+            assert c.commit(NAME, batch_id, begun.attempt.number, generation, results, "test").checkpoint.state \
+                == "COMMITTED"
+        event.remove(engine, "before_cursor_execute", record)
         seed_history(database_url, "plans", checkpoints=3000, partitions=4)
         with psycopg.connect(plain_url(database_url), autocommit=True) as other:
+            for n in range(25):
+                c.register_sink(SinkSpec(f"other-{n}", f"other-{n}-eos", "kafka:9092", ["out"]), "test")
             other.execute("INSERT INTO transactional_ids (sink_id, ordinal, transactional_id, state, released_at) "
-                          "SELECT s.id, g, 'plans-' || g, 'FREE', now() FROM sinks s, generate_series(10, 10009) g "
-                          "WHERE s.name = 'bench-history-plans'")
+                          "SELECT s.id, g, s.transactional_id_prefix || g, 'FREE', now() "
+                          "FROM sinks s, generate_series(0, 399) g WHERE s.name LIKE 'other-%'")
             other.execute("ANALYZE")
         with engine.connect() as conn:
             raw = conn.connection.driver_connection
-            raw.execute("SET plan_cache_mode = force_generic_plan")
+            raw.execute("SET plan_cache_mode = force_generic_plan")  # for the prepared ones
             prepared = dict(raw.execute("SELECT statement, name FROM pg_prepared_statements").fetchall())
             scans: dict[str, list[str]] = {}
             for statement, params in seen.items():
@@ -211,10 +223,13 @@ def test_generic_plans_reach_rows_by_index_whatever_the_state_statistics(databas
                     if name not in order:
                         order.append(name)
                 numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${order.index(m.group(1)) + 1}", statement)
-                if numbered not in prepared:
+                if numbered in prepared:
+                    args = ClientCursor(raw).mogrify(", ".join(["%s"] * len(order)), [params[n] for n in order])
+                    (plan,) = raw.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {prepared[numbered]}({args})").fetchone()
+                elif statement.lstrip().startswith(("WITH", "SELECT", "UPDATE")):
+                    (plan,) = raw.execute(f"EXPLAIN (FORMAT JSON) {statement}", params, prepare=False).fetchone()
+                else:
                     continue
-                args = ClientCursor(raw).mogrify(", ".join(["%s"] * len(order)), [params[n] for n in order])
-                (plan,) = raw.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {prepared[numbered]}({args})").fetchone()
                 nodes, found = [plan[0]["Plan"]], []
                 while nodes:
                     node = nodes.pop()

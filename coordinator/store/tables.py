@@ -117,6 +117,8 @@ attempts = Table(
     # `finished_at IS NULL` (OPEN or COMMITTING) to `state = 'OPEN'`; no index covers `state`, so
     # the decision (OPEN -> COMMITTING) is a HOT update (migration 0007; fillfactor 80 there too)
     Index("ix_attempts_open", "sink_id", postgresql_where=text("finished_at IS NULL")),
+    # a generation start's answer: the attempts it fenced (migration 0011)
+    Index("ix_attempts_aborted", "sink_id", postgresql_where=text("abort_reason IS NOT NULL")),
 )
 
 transactional_ids = Table(

@@ -369,8 +369,8 @@ def lock_checkpoint_for_mark(conn: Connection, checkpoint_id: int) -> tuple[Chec
 # marked), then the id of each winner this statement marked, then every other lease of the
 # checkpoint as it is (FULL JOIN ON false). The ids are found by the two sets, not joined pair by
 # pair: a join's plan trusts the statistics of `state = 'LEASED'` (almost no row, after an ANALYZE),
-# and with 40,000 ids of other sinks it scanned them all and re-read the pairs once per id (12 ms per
-# 200-partition mark). The sets match the pairs: each done lease names its id, and that id, held for
+# and with 40,000 ids of other sinks it scanned them all and re-read the pairs once per id (a
+# 200-partition mark: 17.7 ms, against 6.7 now). The sets match the pairs: each done lease names its id, and that id, held for
 # an unresolved lease, cannot have been freed and leased to another.
 _MARK_COMMITTED = DriverStatement(f"""
 WITH u AS (

@@ -59,9 +59,10 @@ def pg_settings(url: str) -> dict[str, str]:
     return out
 
 
-def seed_history(url: str, tag: str, checkpoints: int, partitions: int = 4) -> float:
+def seed_history(url: str, tag: str, checkpoints: int, partitions: int = 4, ids: int = 0) -> float:
     """A retired sink's history of `checkpoints` committed batches (an attempt, `partitions`
-    leases and an event each), then ANALYZE: the tables a running deployment has, not empty ones.
+    leases and an event each) and `ids` free transactional ids (standing for other sinks' pools),
+    then ANALYZE: the tables a running deployment has, not empty ones.
     On near-empty tables Postgres plans prepared statements with sequential scans, and keeps those
     generic plans until (auto)vacuum or ANALYZE next touches the table: a fresh database's first
     minutes, not the steady state the benchmark measures. Returns the seconds it took."""
@@ -93,6 +94,9 @@ def seed_history(url: str, tag: str, checkpoints: int, partitions: int = 4) -> f
             "10000, now(), now(), 5, '[[\"history\", 0, 0]]' FROM attempts a, generate_series(0, %s) p "
             "WHERE a.sink_id = %s",
             (name + ".", partitions - 1, sink_id))
+        conn.execute(
+            "INSERT INTO transactional_ids (sink_id, ordinal, transactional_id, state, released_at) "
+            "SELECT %s, g, %s || g, 'FREE', now() FROM generate_series(1, %s) g", (sink_id, name + ".", ids))
         conn.execute(
             "INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail) "
             "SELECT sink_id, id, now(), 'commit_decided', 'history', '{}' FROM checkpoints WHERE sink_id = %s",

@@ -164,6 +164,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--history", type=int, default=50_000,
                     help="committed batches of history seeded before the runs, so Postgres plans for tables of a "
                          "running deployment, not empty ones (default 50000; 0: none)")
+    ap.add_argument("--history-ids", type=int, default=40_000,
+                    help="free transactional ids seeded with the history, standing for other sinks' pools "
+                         "(default 40000: 100 sinks of 400)")
     ap.add_argument("--floor-seconds", type=float, default=3, help="seconds of the floor loop (0: skip)")
     ap.add_argument("--floor-threads", type=int, default=8, help="connections of the floor's update loop (default 8)")
     ap.add_argument("--max-connections", type=int, default=400, help="embedded Postgres max_connections")
@@ -195,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         migrate(url)
         settings = pg_settings(url)
         if args.history > 0:
-            log(f"seeding a history of {args.history} committed batches (then VACUUM ANALYZE)")
-            log(f"  seeded in {seed_history(url, tag, args.history):.1f} s")
+            log(f"seeding a history of {args.history} committed batches and {args.history_ids} ids of other "
+                "sinks (then VACUUM ANALYZE)")
+            log(f"  seeded in {seed_history(url, tag, args.history, ids=args.history_ids):.1f} s")
         log(f"Postgres {settings['server_version']}, fsync={settings['fsync']}, "
             f"synchronous_commit={settings['synchronous_commit']}, max_connections={settings['max_connections']}")
         if args.floor_seconds > 0:

@@ -136,7 +136,7 @@ def test_floor_measures_committed_updates(database_url: str) -> None:
 def test_seeded_history_is_committed_batches_of_a_retired_sink_and_analyzed(database_url: str) -> None:
     import psycopg
 
-    measure.seed_history(database_url, "t1", checkpoints=50, partitions=3)
+    measure.seed_history(database_url, "t1", checkpoints=50, partitions=3, ids=20)
     with psycopg.connect(measure.plain_url(database_url), autocommit=True) as conn:
         sinks = conn.execute("SELECT name, retired_at IS NOT NULL FROM sinks").fetchall()
         assert sinks == [("bench-history-t1", True)]
@@ -146,10 +146,13 @@ def test_seeded_history_is_committed_batches_of_a_retired_sink_and_analyzed(data
             "(SELECT count(*) FROM leases WHERE state = 'COMMITTED' AND resolved_at IS NOT NULL), "
             "(SELECT count(*) FROM events), (SELECT count(*) FROM checkpoints WHERE state <> 'COMMITTED')").fetchone()
         assert counts == (50, 50, 150, 50, 0)
+        ids = conn.execute("SELECT count(*), count(DISTINCT transactional_id) FROM transactional_ids "
+                           "WHERE state = 'FREE' AND lease_id IS NULL").fetchone()
+        assert ids == (20, 20)
         # every table's statistics now describe its rows (the planner's view of a running deployment)
         stats = dict(conn.execute("SELECT relname, reltuples FROM pg_class WHERE relname IN "
-                                  "('checkpoints', 'attempts', 'leases', 'events')").fetchall())
-        assert stats == {"checkpoints": 50, "attempts": 50, "leases": 150, "events": 50}
+                                  "('checkpoints', 'attempts', 'leases', 'events', 'transactional_ids')").fetchall())
+        assert stats == {"checkpoints": 50, "attempts": 50, "leases": 150, "events": 50, "transactional_ids": 20}
 
 
 def test_http_overhead_bench_prints_a_line_per_variant() -> None:

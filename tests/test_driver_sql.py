@@ -18,9 +18,12 @@ from coordinator.store.driver_sql import DriverStatement
 NAME = "orders"
 
 
-def _cycle(c: Coordinator, generation: int, batch_id: int) -> None:
-    begun = c.begin_checkpoint(NAME, batch_id, generation, "test", partitions=2)
-    results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50)) for x in begun.pre_leases]
+def _cycle(c: Coordinator, generation: int, batch_id: int, partitions: int = 2) -> None:
+    """One batch committed, each partition's record with its write time and a first offset."""
+    begun = c.begin_checkpoint(NAME, batch_id, generation, "test", partitions=partitions)
+    results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50, 3,
+                                                                  [["out", x.partition, batch_id]]))
+               for x in begun.pre_leases]
     assert c.commit(NAME, batch_id, begun.attempt.number, generation, results, "test").checkpoint.state == "COMMITTED"
 
 
@@ -126,12 +129,7 @@ def test_statements_over_many_rows_are_planned_for_their_values_not_prepared(
         c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
         generation, _ = c.start_generation(NAME, "q", "r", "test")
         for batch_id in range(8):  # psycopg prepares a statement at its 5th execution
-            begun = c.begin_checkpoint(NAME, batch_id, generation, "test", partitions=partitions)
-            results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50, 3,
-                                                                          [["out", x.partition, batch_id]]))
-                       for x in begun.pre_leases]
-            assert c.commit(NAME, batch_id, begun.attempt.number, generation, results, "test").checkpoint.state \
-                == "COMMITTED"
+            _cycle(c, generation, batch_id, partitions)
         with engine.connect() as conn:
             statements = conn.execute(text("SELECT statement FROM pg_prepared_statements")).scalars().all()
     finally:
@@ -197,12 +195,7 @@ def test_plans_reach_rows_by_index_whatever_the_state_statistics(database_url: s
         event.listen(engine, "before_cursor_execute", record)
         generation, _ = c.start_generation(NAME, "q", "r", "test")  # a query's start, and its restarts
         for batch_id in range(6):  # psycopg prepares a statement at its 5th execution
-            begun = c.begin_checkpoint(NAME, batch_id, generation, "test", partitions=partitions)
-            results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50, 3,
-                                                                          [["out", x.partition, batch_id]]))
-                       for x in begun.pre_leases]
-            assert c.commit(NAME, batch_id, begun.attempt.number, generation, results, "test").checkpoint.state \
-                == "COMMITTED"
+            _cycle(c, generation, batch_id, partitions)
         event.remove(engine, "before_cursor_execute", record)
         seed_history(database_url, "plans", checkpoints=3000, partitions=4)
         with psycopg.connect(plain_url(database_url), autocommit=True) as other:

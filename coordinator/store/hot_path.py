@@ -268,8 +268,8 @@ def lock_attempt_leases(conn: Connection, attempt_id: int) -> tuple[list[Lease],
 # updated (FULL JOIN ON false): the caller holds the rest of each winner's row, locked.
 # The winners are reached through their ids' array (`= ANY`, an index path of known size), whatever
 # the statistics say of `state = 'LEASED'`: a table of history whose statistics show no LEASED lease
-# made the generic plan of a join on the records scan every lease (10,000 leases: 400 buffers, 5 ms
-# per two-partition decision). Their records come as one JSON object keyed by lease id, read once
+# made the plan of a join on the records scan every lease (12,000 leases: 379 buffers and 2.4 ms
+# per two-partition decision, against 7 and 0.15 ms now). Their records come as one JSON object keyed by lease id, read once
 # and looked up per lease, so no join is left for the planner to order (with the array, it put a
 # scan of the records inside a loop over the leases: parsed once per lease).
 _DECIDE = DriverStatement(f"""

@@ -27,7 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from fixtures.kafka_producers import ProducerProcess, partition_log, run_transactional_producer, run_transactional_producers
+from fixtures.kafka_producers import (
+    ProducerProcess,
+    fenced,
+    partition_log,
+    run_transactional_producer,
+    run_transactional_producers,
+)
 from fixtures.kafka_proxy import API_END_TXN, API_FIND_COORDINATOR, API_INIT_PRODUCER_ID
 from fixtures.real_kafka import RealKafka
 from sqlalchemy import Engine
@@ -170,6 +176,18 @@ def test_a_delayed_commit_answer_within_the_request_timeout_is_one_request(
 # --- (c) abort by re-initialising the id --------------------------------------------------------
 
 
+@pytest.mark.parametrize("late, refused_as_fenced", [
+    (["_FENCED"], True), (["PRODUCER_FENCED"], True),
+    (["INVALID_PRODUCER_EPOCH", "_FENCED"], True),  # librdkafka sometimes fails the record first
+    ([None], False), ([None, "_FENCED"], False), ([], False), (["INVALID_PRODUCER_EPOCH"], False),
+    (["_MSG_TIMED_OUT"], False), (["_FENCED", "_MSG_TIMED_OUT"], False),
+])
+def test_the_fence_check_accepts_only_a_late_record_refused_by_the_fence(
+    late: list[str | None], refused_as_fenced: bool
+) -> None:
+    assert fenced(late) is refused_as_fenced
+
+
 def test_abort_fences_the_live_producer_and_the_old_epoch_can_no_longer_commit(
     broker: RealKafka, plane: KafkaWireControlPlane
 ) -> None:
@@ -187,7 +205,8 @@ def test_abort_fences_the_live_producer_and_the_old_epoch_can_no_longer_commit(
         assert markers(broker.bootstrap, topic, 0, stats.producer_id) == ["abort"]
         assert not is_open(broker.bootstrap, topic, 0)
         # the still-running producer holds the old epoch: the broker fences it
-        assert producer.produce_more() in (["_FENCED"], ["PRODUCER_FENCED"])
+        late = producer.produce_more()
+        assert fenced(late), late
         # a resume-commit with the old epoch is refused
         assert refused(lambda: plane.commit(target(broker.bootstrap), prepared(stats))).code == "producer_fenced"
         assert visible(broker, topic) == []  # no commit slipped in
@@ -491,10 +510,11 @@ def test_coordinator_commits_on_the_broker_and_aborts_a_superseded_attempt(
 
         # the restarted driver's generation supersedes attempt 1: its lease is aborted on the broker
         proxy.clear()
-        gen2, fenced = c.start_generation(name, "query-1", "run-2", ACTOR)
-        assert fenced.aborted == [stale_lease.transactional_id] and fenced.pending == []
+        gen2, superseded = c.start_generation(name, "query-1", "run-2", ACTOR)
+        assert superseded.aborted == [stale_lease.transactional_id] and superseded.pending == []
         assert proxy.requests[API_INIT_PRODUCER_ID] >= 2  # CONCURRENT_TRANSACTIONS while aborting, then NONE
-        assert stale.produce_more() in (["_FENCED"], ["PRODUCER_FENCED"])  # the old producer's epoch is fenced
+        late = stale.produce_more()
+        assert fenced(late), late  # the old producer's epoch is fenced
         assert markers(broker.bootstrap, topic, 0, s.producer_id) == ["abort"]
     finally:
         stale.close()

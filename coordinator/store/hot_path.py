@@ -269,9 +269,10 @@ def lock_attempt_leases(conn: Connection, attempt_id: int) -> tuple[list[Lease],
 # The winners are reached through their ids' array (`= ANY`, an index path of known size), whatever
 # the statistics say of `state = 'LEASED'`: a table of history whose statistics show no LEASED lease
 # made the plan of a join on the records scan every lease (12,000 leases: 379 buffers and 2.4 ms
-# per two-partition decision, against 7 and 0.15 ms now). Their records come as one JSON object keyed by lease id, read once
-# and looked up per lease, so no join is left for the planner to order (with the array, it put a
-# scan of the records inside a loop over the leases: parsed once per lease).
+# per two-partition decision, against 7 and 0.15 ms now). Their records come as one JSON object
+# keyed by lease id, read once and looked up per lease, so no join is left for the planner to order
+# (with the array, it put a scan of the records inside a loop over the leases: parsed once per
+# lease).
 _DECIDE = DriverStatement(f"""
 WITH c AS (
     UPDATE checkpoints SET state = 'COMMITTING', decided_at = :now, committed_attempt = :number
@@ -370,8 +371,8 @@ def lock_checkpoint_for_mark(conn: Connection, checkpoint_id: int) -> tuple[Chec
 # checkpoint as it is (FULL JOIN ON false). The ids are found by the two sets, not joined pair by
 # pair: a join's plan trusts the statistics of `state = 'LEASED'` (almost no row, after an ANALYZE),
 # and with 40,000 ids of other sinks it scanned them all and re-read the pairs once per id (a
-# 200-partition mark: 17.7 ms, against 6.7 now). The sets match the pairs: each done lease names its id, and that id, held for
-# an unresolved lease, cannot have been freed and leased to another.
+# 200-partition mark: 17.7 ms, against 6.7 now). The sets match the pairs: each done lease names
+# its id, and that id, held for an unresolved lease, cannot have been freed and leased to another.
 _MARK_COMMITTED = DriverStatement(f"""
 WITH u AS (
     UPDATE leases SET state = 'COMMITTED', resolved_at = :now

@@ -66,6 +66,73 @@ def test_statement_listeners_fire_for_driver_statements(engine: Engine) -> None:
     assert seen == ["SELECT %(n)s AS n"]
 
 
+def test_a_statement_runs_in_the_callers_transaction_started_as_psycopg_starts_it(engine: Engine) -> None:
+    """The driver starts the transaction itself (BEGIN with the connection's options) when its
+    statement comes first; SQLAlchemy's rollback undoes what it wrote, its commit keeps it."""
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE t (id int PRIMARY KEY)"))
+    insert = DriverStatement("INSERT INTO t VALUES (:id) RETURNING id, txid_current() AS tx, "
+                             "current_setting('transaction_isolation') AS isolation")
+    with engine.connect() as conn:
+        rolled_back = conn.begin()
+        first = insert.one(conn, {"id": 1})
+        second = insert.one(conn, {"id": 2})
+        assert first["tx"] == second["tx"] and first["isolation"] == "read committed"
+        rolled_back.rollback()
+        with conn.begin():
+            third = insert.one(conn, {"id": 3})
+        assert third["tx"] != first["tx"]
+    with engine.connect().execution_options(isolation_level="SERIALIZABLE") as conn, conn.begin():
+        assert insert.one(conn, {"id": 4})["isolation"] == "serializable"
+        conn.get_transaction().rollback()
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        autocommitted = insert.one(conn, {"id": 5})
+        assert insert.one(conn, {"id": 6})["tx"] != autocommitted["tx"]  # each statement its own
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT array_agg(id ORDER BY id) FROM t")).scalar_one() == [3, 5, 6]
+
+
+def test_a_statement_is_prepared_once_per_session_and_again_after_a_deallocate(engine: Engine) -> None:
+    """Prepared at its first execution, then reused; after a DEALLOCATE the driver did not make
+    (psycopg's after a rollback, on an engine where psycopg prepares too) the statement fails
+    with InvalidSqlStatementName, and the next execution prepares it again."""
+    stmt = DriverStatement("SELECT :n + 1 AS next")
+    named = "SELECT count(*) FROM pg_prepared_statements WHERE statement = 'SELECT $1 + 1 AS next'"
+    with engine.connect() as conn:
+        assert [stmt.one(conn, {"n": n})["next"] for n in range(5)] == [1, 2, 3, 4, 5]
+        assert conn.execute(text(named)).scalar_one() == 1
+        conn.commit()
+        conn.exec_driver_sql("DEALLOCATE ALL")
+        conn.commit()
+        with pytest.raises(DBAPIError) as caught:
+            stmt.one(conn, {"n": 1})
+        assert caught.value.orig.sqlstate == "26000" and not caught.value.connection_invalidated
+        conn.rollback()
+        assert stmt.one(conn, {"n": 41})["next"] == 42
+        assert conn.execute(text(named)).scalar_one() == 1
+
+
+def test_the_coordinators_engines_leave_preparing_to_the_driver(coordinator: Coordinator, engine: Engine) -> None:
+    """psycopg's own preparation is off on the coordinator's engines (it would DEALLOCATE ALL at
+    every rollback, the driver's statements with it); a protocol call whose prepared statements
+    were deallocated anyway is retried whole, and succeeds."""
+    with engine.connect() as conn:
+        assert conn.connection.driver_connection.prepare_threshold is None
+    coordinator.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
+    generation, _ = coordinator.start_generation(NAME, "q", "r", "test")
+    _cycle(coordinator, generation, 1)
+    sessions = [engine.pool.connect() for _ in range(engine.pool.checkedin())]  # every pooled one
+    lost = 0
+    for pooled in sessions:
+        raw = pooled.driver_connection
+        lost += raw.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0]
+        raw.execute("DEALLOCATE ALL")
+        raw.commit()
+        pooled.close()
+    assert lost >= 5  # the batch's statements had been prepared
+    _cycle(coordinator, generation, 2)
+
+
 def test_a_protocol_call_on_a_dead_pooled_connection_is_retried(coordinator: Coordinator, engine: Engine) -> None:
     """Postgres restarts or drops the session between two calls: the next call's first statement
     (a driver statement) fails on the dead connection, and the transaction is retried on a new one."""
@@ -128,7 +195,7 @@ def test_statements_over_many_rows_are_planned_for_their_values_not_prepared(
     try:
         c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
         generation, _ = c.start_generation(NAME, "q", "r", "test")
-        for batch_id in range(8):  # psycopg prepares a statement at its 5th execution
+        for batch_id in range(8):
             _cycle(c, generation, batch_id, partitions)
         with engine.connect() as conn:
             statements = conn.execute(text("SELECT statement FROM pg_prepared_statements")).scalars().all()

@@ -28,7 +28,7 @@ from ..protocol import errors as e
 from ..protocol import rules
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
 from ..protocol.states import ABORT_PENDING_STATES, AttemptState, CheckpointState, LeaseState
-from ..store import hot_path, repo
+from ..store import driver_sql, hot_path, repo
 from ..store.tables import attempts, checkpoints, leases, sinks
 from . import metrics
 from .clock import Clock, DatabaseClock, now_from
@@ -42,7 +42,8 @@ T = TypeVar("T")
 RECOVERY_ACTOR = "recovery"
 
 # Postgres codes worth retrying the whole transaction for: serialization failure, deadlock.
-_RETRYABLE_SQLSTATES = {"40001", "40P01"}
+# serialization failure, deadlock, and a prepared statement the session lost (driver_sql)
+_RETRYABLE_SQLSTATES = {"40001", "40P01", driver_sql.INVALID_STATEMENT_NAME}
 
 
 class CoordinatorBase:

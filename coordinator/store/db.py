@@ -32,6 +32,9 @@ def make_engine(url: str, pool_size: int = 20) -> Engine:
         # transaction whose pooled connection turns out to be dead instead
         pool_pre_ping=False,
         pool_recycle=1800,
+        # no automatic server-side preparation by psycopg: it would DEALLOCATE ALL after every
+        # rollback, the hot path's statements with it (store.driver_sql prepares those itself)
+        connect_args={"prepare_threshold": None},
     )
 
 

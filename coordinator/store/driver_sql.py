@@ -3,28 +3,36 @@
 The protocol's common path sends a handful of fixed statements per call, and SQLAlchemy's
 execution and result layers cost more than psycopg itself for each of them: an execution context,
 and a result whose metadata is rebuilt from the cursor's description (a psycopg `Column` per
-column, ~20 of them for the joined rows) at every execution. `DriverStatement.rows` skips both: it
-runs the statement on the same DBAPI connection (so inside the caller's transaction; psycopg
-prepares it after its `prepare_threshold` executions, as it did under SQLAlchemy) and answers
-psycopg's tuples, readable by column name (`Row`). What SQLAlchemy would otherwise do for us is
-kept:
+column, ~20 of them for the joined rows) at every execution. psycopg's cursor costs about as much
+again in Python (a cursor, its query conversion and prepared-statement bookkeeping: ~40 µs of a
+~110 µs statement). `DriverStatement.rows` skips all of them: it runs its statement on the same
+connection's libpq handle (`pgconn`, so inside the caller's transaction), as a statement it
+prepares once per connection, with psycopg's own adapters dumping the parameters and loading the
+rows, and answers tuples readable by column name (`Row`). What SQLAlchemy and psycopg would
+otherwise do for us is kept:
 
+- the transaction: a statement that finds the connection idle starts it with psycopg's BEGIN, as
+  psycopg would before its first statement; SQLAlchemy's commit and rollback end it as always;
 - the `before_cursor_execute` listeners still fire (the simulation's fault points, the statement
   counters of benchmarks and tests);
-- a psycopg error goes through SQLAlchemy's own error handling: raised as its `DBAPIError` of the
-  same kind, with `connection_invalidated` set (and the pool's connections invalidated) when the
-  connection died, so `CoordinatorBase._tx` retries exactly as before.
+- a Postgres error is psycopg's exception for its SQLSTATE, and goes through SQLAlchemy's own error
+  handling: raised as its `DBAPIError` of the same kind, with `connection_invalidated` set (and the
+  pool's connections invalidated) when the connection died, so `CoordinatorBase._tx` retries
+  exactly as before.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from typing import Any, ClassVar
 
 import psycopg
-from psycopg.rows import tuple_row
+from psycopg import pq
+from psycopg.adapt import PyFormat, Transformer
+from psycopg.errors import error_from_result
 from sqlalchemy import Connection
 
 _BIND = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
@@ -66,15 +74,88 @@ def text_array(values: Iterable[str]) -> str:
     return "{" + ",".join(['"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values]) + "}"
 
 
+# --- one session's state: what it has prepared ---------------------------------------------------
+
+_SESSION_KEY = "driver_sql"
+_statement_numbers = itertools.count()  # its next() is atomic: threads share it
+
+
+class _Session:
+    """What the driver keeps for one DBAPI connection (in the pooled connection's `info`): the
+    statements it prepared there, by SQL and parameter types, and one transformer (adapters with
+    their dumpers and loaders cached)."""
+
+    __slots__ = ("raw", "prepared", "transformer")
+
+    def __init__(self, raw: psycopg.Connection[Any]) -> None:
+        self.raw = raw
+        self.prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
+        self.transformer = Transformer(raw)
+
+
+def _session(conn: Connection) -> _Session:
+    fairy = conn.connection
+    raw = fairy.driver_connection
+    assert isinstance(raw, psycopg.Connection), "the coordinator runs on psycopg 3"
+    session = fairy.info.get(_SESSION_KEY)
+    if session is None or session.raw is not raw:  # a connection replaced after an invalidation
+        session = fairy.info[_SESSION_KEY] = _Session(raw)
+    return session
+
+
+# Postgres keeps a session's prepared statements until the session ends or a DEALLOCATE. psycopg
+# sends DEALLOCATE ALL after a rollback when it has prepared statements of its own, so the
+# coordinator's engines turn its automatic preparation off (store.db.make_engine): these are the
+# statements worth preparing. On any other engine, or after a DEALLOCATE nobody announced, a
+# statement fails with InvalidSqlStatementName; the session then forgets what it had prepared, and
+# the service retries the transaction (`CoordinatorBase._tx`), which prepares them again.
+_IDLE = pq.TransactionStatus.IDLE
+_ANSWERED = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
+INVALID_STATEMENT_NAME = "26000"
+
+
+def _checked(raw: psycopg.Connection[Any], result: pq.abc.PGresult) -> pq.abc.PGresult:
+    if result.status not in _ANSWERED:
+        raise error_from_result(result, encoding=raw.info.encoding)
+    return result
+
+
+def _begin_command(raw: psycopg.Connection[Any]) -> bytes:
+    """The BEGIN psycopg sends before a transaction's first statement (its isolation options)."""
+    parts = [b"BEGIN"]
+    if raw.isolation_level is not None:
+        parts += [b"ISOLATION LEVEL", raw.isolation_level.name.replace("_", " ").encode()]
+    if raw.read_only is not None:
+        parts.append(b"READ ONLY" if raw.read_only else b"READ WRITE")
+    if raw.deferrable is not None:
+        parts.append(b"DEFERRABLE" if raw.deferrable else b"NOT DEFERRABLE")
+    return b" ".join(parts)
+
+
 class DriverStatement:
     """One fixed statement, written with SQLAlchemy's `:name` parameters (as in `text()`)."""
 
-    __slots__ = ("sql",)
+    __slots__ = ("sql", "_query", "_params", "_formats", "_row_types")
 
     def __init__(self, sql: str) -> None:
         if "%" in sql:
             raise ValueError("a driver statement must not contain '%' (psycopg's placeholder character)")
+        # as psycopg would show it (the listeners and error messages get this form) ...
         self.sql = _BIND.sub(r"%(\1)s", sql)
+        # ... and as Postgres takes it: $n for the n-th distinct parameter
+        params: list[str] = []
+
+        def placeholder(m: re.Match[str]) -> str:
+            if m.group(1) not in params:
+                params.append(m.group(1))
+            return f"${params.index(m.group(1)) + 1}"
+
+        self._query = _BIND.sub(placeholder, sql).encode()
+        self._params = tuple(params)
+        self._formats = [PyFormat.AUTO] * len(params)
+        # its rows' type by column count: a fixed statement's columns are fixed, and naming them
+        # from the result at every execution cost ~1 µs a column (a joined row has ~45)
+        self._row_types: dict[int, type[Row]] = {}
 
     def rows(self, conn: Connection, params: Mapping[str, Any], *, planned_for_values: bool = False) -> list[Row]:
         """Execute in conn's transaction; every result row (readable by column name).
@@ -83,23 +164,41 @@ class DriverStatement:
         values. A prepared statement soon runs a generic plan, which assumes ~10 elements in an array
         parameter: with hundreds (a 200-partition batch) that plan can take a nested loop over a
         sequential scan, once per element."""
-        raw = conn.connection.driver_connection
-        assert isinstance(raw, psycopg.Connection), "the coordinator runs on psycopg 3"
-        with raw.cursor(row_factory=tuple_row) as cur:
-            conn.dispatch.before_cursor_execute(conn, cur, self.sql, params, None, False)
-            try:
-                # prepared by psycopg once it is seen repeating, unless planned for these values
-                cur.execute(self.sql, params, prepare=False if planned_for_values else None)
-            except psycopg.Error as exc:
-                # SQLAlchemy's own handler (what Connection.execute calls): wraps the error, and on a
-                # dead connection invalidates it and the pool's older connections, as for any statement
-                conn._handle_dbapi_exception(exc, self.sql, dict(params), cur, None)
-                raise AssertionError("unreachable: _handle_dbapi_exception raises") from exc
-            result = cur.pgresult
-            if result is None or result.nfields == 0:
-                return []
-            row_type = _row_type(tuple(result.fname(i).decode() for i in range(result.nfields)))  # type: ignore[union-attr]
-            return list(map(row_type, cur.fetchall()))
+        session = _session(conn)
+        conn.dispatch.before_cursor_execute(conn, None, self.sql, params, None, False)
+        try:
+            result = self._execute(session, params, planned_for_values)
+        except psycopg.Error as exc:
+            if exc.sqlstate == INVALID_STATEMENT_NAME:
+                session.prepared.clear()
+            # SQLAlchemy's own handler (what Connection.execute calls): wraps the error, and on a
+            # dead connection invalidates it and the pool's older connections, as for any statement
+            conn._handle_dbapi_exception(exc, self.sql, dict(params), None, None)
+            raise AssertionError("unreachable: _handle_dbapi_exception raises") from exc
+        if result.nfields == 0:
+            return []
+        row_type = self._row_types.get(result.nfields)
+        if row_type is None:
+            names = tuple((result.fname(i) or b"").decode() for i in range(result.nfields))
+            row_type = self._row_types[result.nfields] = _row_type(names)
+        session.transformer.set_pgresult(result)
+        return session.transformer.load_rows(0, result.ntuples, row_type)
+
+    def _execute(self, session: _Session, params: Mapping[str, Any], planned_for_values: bool) -> pq.abc.PGresult:
+        raw, tx = session.raw, session.transformer
+        pgconn = raw.pgconn
+        if pgconn.transaction_status == _IDLE and not raw.autocommit:
+            _checked(raw, pgconn.exec_(_begin_command(raw)))
+        values = tx.dump_sequence([params[name] for name in self._params], self._formats)
+        if planned_for_values:
+            return _checked(raw, pgconn.exec_params(self._query, values, tx.types, tx.formats))
+        key = (self._query, tx.types)
+        name = session.prepared.get(key)
+        if name is None:
+            name = b"driver_sql_%d" % next(_statement_numbers)
+            _checked(raw, pgconn.prepare(name, self._query, tx.types))
+            session.prepared[key] = name
+        return _checked(raw, pgconn.exec_prepared(name, values, tx.formats))
 
     def first(self, conn: Connection, params: Mapping[str, Any]) -> Row | None:
         rows = self.rows(conn, params)

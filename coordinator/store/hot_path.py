@@ -6,8 +6,8 @@ locks the step needs, and the database's clock read after those locks) and write
 decided. Every state change here is one the state machine allows (checked before executing, as
 `repo.cas` does) and is a compare-and-set on the old state; the caller checks the row counts.
 Each statement is built once at import, with arrays for the P rows, so its SQL is the same for
-every call and every P, and runs prepared on the driver's connection (`driver_sql`: no SQLAlchemy
-compilation or result metadata per call, one psycopg prepared plan).
+every call and every P, and runs prepared on the connection's libpq handle (`driver_sql`: no
+SQLAlchemy compilation or result metadata per call, no psycopg cursor, prepared once per session).
 """
 
 from __future__ import annotations

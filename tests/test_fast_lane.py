@@ -289,3 +289,40 @@ def test_metrics_count_the_lanes_answers_under_the_route_templates(pair: Pair) -
     unmatched = [k for k in after if k[0] == "coordinator_http_request_duration_seconds_count"
                  and dict(k[1])["route"] == "<unmatched>" and delta(k)]
     assert not unmatched, unmatched
+
+
+def test_a_lane_call_holds_a_token_of_the_limiter_it_is_given_while_it_runs() -> None:
+    """The lane's calls share anyio's default limiter with FastAPI's sync routes (the database
+    pool is sized for it), and take a free token without a turn of the event loop: a call waits
+    while the limiter is full and runs once a token comes back; an error gives its token back."""
+    import asyncio
+
+    import anyio
+
+    from coordinator.http.fast_lane import _token_of
+
+    async def scenario() -> list[tuple[str, str, int]]:
+        limiter = anyio.CapacityLimiter(1)
+        seen: list[tuple[str, str, int]] = []
+
+        async def call(name: str, hold: float, fail: bool = False) -> None:
+            try:
+                async with _token_of(limiter):
+                    seen.append((name, "runs", limiter.borrowed_tokens))
+                    await asyncio.sleep(hold)
+                    if fail:
+                        raise ValueError(name)
+                    seen.append((name, "ends", limiter.borrowed_tokens))
+            except ValueError:
+                seen.append((name, "failed", limiter.borrowed_tokens))
+
+        await asyncio.wait_for(asyncio.gather(call("a", 0.05, fail=True), call("b", 0.0), call("c", 0.0)), 10)
+        seen.append(("after", "all", limiter.borrowed_tokens))
+        return seen
+
+    assert asyncio.run(scenario()) == [
+        ("a", "runs", 1),
+        ("a", "failed", 1),  # its token went to b, who was waiting for it
+        ("b", "runs", 1), ("b", "ends", 1), ("c", "runs", 1), ("c", "ends", 1),
+        ("after", "all", 0),
+    ]

@@ -25,11 +25,12 @@ sets it) and inside ServerErrorMiddleware."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -130,7 +131,7 @@ class FastLane:
         self.answered += 1
         scope.update(child_scope)  # as the router does: the route (for the metrics), endpoint, path params
         try:
-            async with anyio.to_thread.current_default_thread_limiter():
+            async with _token_of(anyio.to_thread.current_default_thread_limiter()):
                 loop = asyncio.get_running_loop()
                 response = await loop.run_in_executor(self.pool, contextvars.copy_context().run, call)
         except Exception as exc:
@@ -167,6 +168,23 @@ class FastLane:
         args[body_arg] = model.model_validate(value)
         args[lane.principal_arg] = who
         return functools.partial(lane.endpoint, **args)
+
+
+@contextlib.asynccontextmanager
+async def _token_of(limiter: anyio.CapacityLimiter) -> AsyncIterator[None]:
+    """One of the limiter's tokens, held by a borrower of its own. `async with limiter` passes
+    through two cancellation checkpoints even when a token is free, one of them a full turn of the
+    event loop (~4% of a worker's CPU at P=2); a free token is taken at once here, and only a full
+    limiter waits (its `acquire`)."""
+    borrower = object()
+    try:
+        limiter.acquire_on_behalf_of_nowait(borrower)
+    except anyio.WouldBlock:
+        await limiter.acquire_on_behalf_of(borrower)
+    try:
+        yield
+    finally:
+        limiter.release_on_behalf_of(borrower)
 
 
 class _Recorded:

@@ -338,25 +338,29 @@ def floor(url: str, seconds: float, threads: int) -> dict[str, float]:
 
 
 def statement_cost(url: str, n: int = 1000) -> dict[str, float]:
-    """CPU µs of this process per one-row SELECT by primary key, the same query three ways: a cached
-    SQLAlchemy Core statement (as the store runs its hot statements), the driver's connection
+    """CPU µs of this process per one-row SELECT by primary key, the same query four ways: a cached
+    SQLAlchemy Core statement (as the store runs its other statements), a `DriverStatement` (as the
+    store runs its hot statements: libpq, prepared once), psycopg's cursor on the connection
     under SQLAlchemy, raw psycopg. What a statement costs the coordinator beyond Postgres."""
     import psycopg
-    from sqlalchemy import bindparam, column, create_engine, select, table
+    from sqlalchemy import bindparam, column, select, table
 
-    from coordinator.store.db import sqlalchemy_url
+    from coordinator.store.db import make_engine
+    from coordinator.store.driver_sql import DriverStatement
 
     floor_table = table("bench_floor", column("id"), column("n"))
     stmt = select(floor_table.c.id, floor_table.c.n).where(floor_table.c.id == bindparam("id"))
     sql = "SELECT id, n FROM bench_floor WHERE id = %s"
     out = {}
-    engine = create_engine(sqlalchemy_url(url), pool_size=1)
+    hot = DriverStatement("SELECT id, n FROM bench_floor WHERE id = :id")
+    engine = make_engine(url, pool_size=1)
     try:
         with engine.connect() as conn:
             driver = conn.connection.driver_connection
             for name, run in (
                 ("sqlalchemy_us", lambda: conn.execute(stmt, {"id": 0}).first()),
-                ("driver_us", lambda: driver.execute(sql, (0,)).fetchone()),
+                ("driver_statement_us", lambda: hot.one(conn, {"id": 0})),
+                ("driver_us", lambda: driver.execute(sql, (0,), prepare=True).fetchone()),
             ):
                 for _ in range(50):
                     run()

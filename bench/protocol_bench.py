@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         print(figure_line("floor", update_tx_per_s=floor_figures["update_tx_per_s"],
                           select1_per_s=floor_figures["select1_per_s"], connections=args.floor_threads))
         # CPU per one-row SELECT in the client: a cached SQLAlchemy Core statement vs the driver
-        print(figure_line("statement_cost", **{k: floor_figures[k] for k in ("sqlalchemy_us", "driver_us", "psycopg_us")}))
+        print(figure_line("statement_cost", **{k: floor_figures[k] for k in ("sqlalchemy_us", "driver_statement_us", "driver_us", "psycopg_us")}))
         for r in results:
             # how many of the floor's one-row transactions a batch costs, in time
             print(figure_line(f"ratio P={r['partitions']} {r['mode']}",

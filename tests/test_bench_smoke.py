@@ -30,7 +30,7 @@ def test_protocol_bench_runs_both_modes_and_prints_its_figure_lines(database_url
     figures = dict(measure.parse_figure_line(line) for line in lines if "=" in line and not line.startswith("["))
     assert float(figures["floor"]["update_tx_per_s"]) > 0
     assert float(figures["floor"]["select1_per_s"]) > 0
-    assert all(float(v) > 0 for v in figures["statement_cost"].values()) and len(figures["statement_cost"]) == 3
+    assert all(float(v) > 0 for v in figures["statement_cost"].values()) and len(figures["statement_cost"]) == 4
     for run in ("P=2 inprocess", "P=2 http"):
         f = figures[run]
         assert float(f["batches_per_s"]) > 0, f

@@ -173,9 +173,9 @@ class FastLane:
 @contextlib.asynccontextmanager
 async def _token_of(limiter: anyio.CapacityLimiter) -> AsyncIterator[None]:
     """One of the limiter's tokens, held by a borrower of its own. `async with limiter` passes
-    through two cancellation checkpoints even when a token is free, one of them a full turn of the
-    event loop (~4% of a worker's CPU at P=2); a free token is taken at once here, and only a full
-    limiter waits (its `acquire`)."""
+    through two cancellation checkpoints even when a token is free, one of them a turn of the event
+    loop (~7 µs of a ~58 µs hand-off); a free token is taken at once here, and only a full limiter
+    waits (its `acquire`)."""
     borrower = object()
     try:
         limiter.acquire_on_behalf_of_nowait(borrower)

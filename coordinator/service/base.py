@@ -41,8 +41,8 @@ T = TypeVar("T")
 # the actor of a checkpoint_committed event: a decided commit finished after its commit call
 RECOVERY_ACTOR = "recovery"
 
-# Postgres codes worth retrying the whole transaction for: serialization failure, deadlock.
-# serialization failure, deadlock, and a prepared statement the session lost (driver_sql)
+# Postgres codes worth retrying the whole transaction for: serialization failure, deadlock, and a
+# prepared statement the session lost (store.driver_sql prepares it again)
 _RETRYABLE_SQLSTATES = {"40001", "40P01", driver_sql.INVALID_STATEMENT_NAME}
 
 

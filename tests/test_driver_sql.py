@@ -4,6 +4,7 @@ connection retried, the statement listeners (the simulation's fault points) fire
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 import psycopg
@@ -112,18 +113,47 @@ def test_a_statement_is_prepared_once_per_session_and_again_after_a_deallocate(e
         assert conn.execute(text(named)).scalar_one() == 1
 
 
-def test_the_coordinators_engines_leave_preparing_to_the_driver(coordinator: Coordinator, engine: Engine) -> None:
-    """psycopg's own preparation is off on the coordinator's engines (it would DEALLOCATE ALL at
-    every rollback, the driver's statements with it); a protocol call whose prepared statements
-    were deallocated anyway is retried whole, and succeeds."""
-    with engine.connect() as conn:
-        assert conn.connection.driver_connection.prepare_threshold is None
+def test_after_psycopg_deallocates_at_a_rollback_the_next_call_prepares_again_without_failing(
+    coordinator: Coordinator, engine: Engine
+) -> None:
+    """psycopg prepares SQLAlchemy's repeated statements too, and sends DEALLOCATE ALL when it
+    rolls back an open transaction: the driver's statements go with them. The rollback marks the
+    session's record stale, so the next call prepares them again instead of failing on them."""
+    coordinator.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
+    generation, _ = coordinator.start_generation(NAME, "q", "r", "test")
+    _cycle(coordinator, generation, 1)
+    count = text("SELECT count(*) FROM pg_prepared_statements")
+    with ExitStack() as stack:  # every pooled session at once
+        conns = [stack.enter_context(engine.connect()) for _ in range(engine.pool.checkedin())]
+        assert sum(c.execute(count).scalar_one() for c in conns) >= 5  # the batch's statements
+        for conn in conns:
+            for _ in range(6):  # psycopg prepares a statement at its 5th execution
+                conn.execute(text("SELECT 1"))
+            conn.rollback()
+            assert conn.execute(count).scalar_one() == 0  # psycopg's DEALLOCATE ALL
+            conn.rollback()
+    errors: list[BaseException] = []
+
+    def failed(context: Any) -> None:
+        errors.append(context.original_exception)
+
+    event.listen(engine, "handle_error", failed)
+    try:
+        _cycle(coordinator, generation, 2)
+    finally:
+        event.remove(engine, "handle_error", failed)
+    assert errors == []
+
+
+def test_a_deallocate_nobody_announced_fails_the_transaction_once_and_it_is_retried(
+    coordinator: Coordinator, engine: Engine
+) -> None:
     coordinator.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
     generation, _ = coordinator.start_generation(NAME, "q", "r", "test")
     _cycle(coordinator, generation, 1)
     sessions = [engine.pool.connect() for _ in range(engine.pool.checkedin())]  # every pooled one
     lost = 0
-    for pooled in sessions:
+    for pooled in sessions:  # straight on psycopg: no SQLAlchemy rollback tells the driver
         raw = pooled.driver_connection
         lost += raw.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0]
         raw.execute("DEALLOCATE ALL")

@@ -11,6 +11,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine
 
+from . import driver_sql
+
 
 def sqlalchemy_url(url: str) -> str:
     """Accept plain postgres URLs and use the psycopg 3 driver for them."""
@@ -24,7 +26,7 @@ def make_engine(url: str, pool_size: int = 20) -> Engine:
     """Up to 2 x pool_size connections, as before, but all kept open once opened: overflow
     connections were closed on return, so a burst of concurrent calls (64 executors leasing at
     once) opened and closed Postgres sessions continuously (~20 new backends/s measured)."""
-    return create_engine(
+    engine = create_engine(
         sqlalchemy_url(url),
         pool_size=2 * pool_size,
         max_overflow=0,
@@ -32,10 +34,10 @@ def make_engine(url: str, pool_size: int = 20) -> Engine:
         # transaction whose pooled connection turns out to be dead instead
         pool_pre_ping=False,
         pool_recycle=1800,
-        # no automatic server-side preparation by psycopg: it would DEALLOCATE ALL after every
-        # rollback, the hot path's statements with it (store.driver_sql prepares those itself)
-        connect_args={"prepare_threshold": None},
     )
+    # psycopg's DEALLOCATE ALL after a rollback drops the hot path's prepared statements too
+    driver_sql.track_rollbacks(engine)
+    return engine
 
 
 def alembic_config(url: str) -> Config:

@@ -33,7 +33,7 @@ import psycopg
 from psycopg import pq
 from psycopg.adapt import PyFormat, Transformer
 from psycopg.errors import error_from_result
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine, event
 
 _BIND = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
@@ -77,19 +77,21 @@ def text_array(values: Iterable[str]) -> str:
 # --- one session's state: what it has prepared ---------------------------------------------------
 
 _SESSION_KEY = "driver_sql"
+_IDLE = pq.TransactionStatus.IDLE
 _statement_numbers = itertools.count()  # its next() is atomic: threads share it
 
 
 class _Session:
     """What the driver keeps for one DBAPI connection (in the pooled connection's `info`): the
-    statements it prepared there, by SQL and parameter types, and one transformer (adapters with
-    their dumpers and loaders cached)."""
+    statements it prepared there, by SQL and parameter types, whether that record may be stale,
+    and one transformer (adapters with their dumpers and loaders cached)."""
 
-    __slots__ = ("raw", "prepared", "transformer")
+    __slots__ = ("raw", "prepared", "stale", "transformer")
 
     def __init__(self, raw: psycopg.Connection[Any]) -> None:
         self.raw = raw
         self.prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
+        self.stale = False
         self.transformer = Transformer(raw)
 
 
@@ -103,13 +105,34 @@ def _session(conn: Connection) -> _Session:
     return session
 
 
-# Postgres keeps a session's prepared statements until the session ends or a DEALLOCATE. psycopg
-# sends DEALLOCATE ALL after a rollback when it has prepared statements of its own, so the
-# coordinator's engines turn its automatic preparation off (store.db.make_engine): these are the
-# statements worth preparing. On any other engine, or after a DEALLOCATE nobody announced, a
-# statement fails with InvalidSqlStatementName; the session then forgets what it had prepared, and
-# the service retries the transaction (`CoordinatorBase._tx`), which prepares them again.
-_IDLE = pq.TransactionStatus.IDLE
+# Postgres keeps a session's prepared statements until the session ends or a DEALLOCATE, and
+# psycopg sends DEALLOCATE ALL after rolling back an open transaction once it has prepared
+# statements of its own (it prepares any statement it sees five times: SQLAlchemy's too). So a
+# rollback marks the session's record stale, and its next driver statement reads which of them
+# are still there (one round trip, after a rollback only). `track_rollbacks` hooks an engine's
+# rollbacks and pool resets; on an engine without it, or after a DEALLOCATE nobody announced, a
+# statement fails with InvalidSqlStatementName, the session forgets what it had prepared, and the
+# service retries the transaction (`CoordinatorBase._tx`), which prepares them again.
+def track_rollbacks(engine: Engine) -> None:
+    def before_rollback(conn: Connection) -> None:
+        if not conn.invalidated:
+            _mark_stale(conn.connection.info, conn.connection.driver_connection)
+
+    def before_reset(dbapi_connection: Any, connection_record: Any, reset_state: Any) -> None:
+        if connection_record is not None:
+            _mark_stale(connection_record.info, dbapi_connection)
+
+    event.listen(engine, "rollback", before_rollback)
+    event.listen(engine.pool, "reset", before_reset)
+
+
+def _mark_stale(info: dict[str, Any], raw: Any) -> None:
+    session = info.get(_SESSION_KEY)
+    if session is not None and raw is session.raw and raw.pgconn.transaction_status != _IDLE:
+        session.stale = True  # a rollback is about to be sent; an idle connection gets none
+
+
+_PREPARED_HERE = b"SELECT name FROM pg_prepared_statements WHERE name LIKE 'driver\\_sql\\_%'"
 _ANSWERED = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
 INVALID_STATEMENT_NAME = "26000"
 
@@ -189,6 +212,11 @@ class DriverStatement:
         pgconn = raw.pgconn
         if pgconn.transaction_status == _IDLE and not raw.autocommit:
             _checked(raw, pgconn.exec_(_begin_command(raw)))
+        if session.stale:
+            listed = _checked(raw, pgconn.exec_(_PREPARED_HERE))
+            still = {listed.get_value(i, 0) for i in range(listed.ntuples)}
+            session.prepared = {k: name for k, name in session.prepared.items() if name in still}
+            session.stale = False
         values = tx.dump_sequence([params[name] for name in self._params], self._formats)
         if planned_for_values:
             return _checked(raw, pgconn.exec_params(self._query, values, tx.types, tx.formats))

@@ -19,6 +19,13 @@ from coordinator.store.driver_sql import DriverStatement
 NAME = "orders"
 
 
+def _started(c: Coordinator) -> int:
+    """The test's sink registered and a query started on it: its generation."""
+    c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
+    generation, _ = c.start_generation(NAME, "q", "r", "test")
+    return generation
+
+
 def _cycle(c: Coordinator, generation: int, batch_id: int, partitions: int = 2) -> None:
     """One batch committed, each partition's record with its write time and a first offset."""
     begun = c.begin_checkpoint(NAME, batch_id, generation, "test", partitions=partitions)
@@ -119,8 +126,7 @@ def test_after_psycopg_deallocates_at_a_rollback_the_next_call_prepares_again_wi
     """psycopg prepares SQLAlchemy's repeated statements too, and sends DEALLOCATE ALL when it
     rolls back an open transaction: the driver's statements go with them. The rollback marks the
     session's record stale, so the next call prepares them again instead of failing on them."""
-    coordinator.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
-    generation, _ = coordinator.start_generation(NAME, "q", "r", "test")
+    generation = _started(coordinator)
     _cycle(coordinator, generation, 1)
     count = text("SELECT count(*) FROM pg_prepared_statements")
     with ExitStack() as stack:  # every pooled session at once
@@ -148,8 +154,7 @@ def test_after_psycopg_deallocates_at_a_rollback_the_next_call_prepares_again_wi
 def test_a_deallocate_nobody_announced_fails_the_transaction_once_and_it_is_retried(
     coordinator: Coordinator, engine: Engine
 ) -> None:
-    coordinator.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
-    generation, _ = coordinator.start_generation(NAME, "q", "r", "test")
+    generation = _started(coordinator)
     _cycle(coordinator, generation, 1)
     sessions = [engine.pool.connect() for _ in range(engine.pool.checkedin())]  # every pooled one
     lost = 0
@@ -166,8 +171,7 @@ def test_a_deallocate_nobody_announced_fails_the_transaction_once_and_it_is_retr
 def test_a_protocol_call_on_a_dead_pooled_connection_is_retried(coordinator: Coordinator, engine: Engine) -> None:
     """Postgres restarts or drops the session between two calls: the next call's first statement
     (a driver statement) fails on the dead connection, and the transaction is retried on a new one."""
-    coordinator.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
-    generation, _ = coordinator.start_generation(NAME, "q", "r", "test")
+    generation = _started(coordinator)
     _cycle(coordinator, generation, 1)
     pooled = engine.pool.checkedin()
     with psycopg.connect(engine.url.set(drivername="postgresql").render_as_string(hide_password=False)) as admin:
@@ -191,8 +195,7 @@ def test_a_dead_connection_is_reported_as_invalidated(engine: Engine) -> None:
 
 def test_rows_are_read_by_name_and_records_built_by_position_match_those_built_by_name(engine: Engine) -> None:
     c = Coordinator(engine, None)
-    c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
-    generation, _ = c.start_generation(NAME, "q", "r", "test")
+    generation = _started(c)
     c.begin_checkpoint(NAME, 1, generation, "test", partitions=2)
     joined = DriverStatement("SELECT 7 AS x_id, l.id AS l_id, l.* FROM leases AS l ORDER BY l.id")
     with engine.begin() as conn:
@@ -223,8 +226,7 @@ def test_statements_over_many_rows_are_planned_for_their_values_not_prepared(
     engine = create_engine(sqlalchemy_url(database_url), pool_size=1, max_overflow=0)  # one session to look at
     c = Coordinator(engine, RecordingControlPlane(), limits=Limits(max_partitions=256))
     try:
-        c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
-        generation, _ = c.start_generation(NAME, "q", "r", "test")
+        generation = _started(c)
         for batch_id in range(8):
             _cycle(c, generation, batch_id, partitions)
         with engine.connect() as conn:

@@ -176,7 +176,7 @@ class Layouts:
         assert self._run(hot_path._COMMIT_HEAD.sql, {"name": name, "batch_id": batch_id, "number": 1})
         detail = json.dumps({"batch_id": batch_id, "attempt": 1, "winners": [[p, p, t] for p, t in enumerate(tids)]})
         records = [{"producer_id": 1000 + p, "producer_epoch": 0, "records": 10, "bytes": 5, "write_ms": 3,
-                    "first_offsets": json.dumps([["bench", k, 10 * batch_id] for k in range(8)])}
+                    "first_offsets": [["bench", k, 10 * batch_id] for k in range(8)]}  # as the writer sends them
                    for p in range(partitions)]
         if variant == "rows":
             assert len(self._run(hot_path._LOCK_ATTEMPT_LEASES.sql, {"attempt_id": attempt_id})) == partitions

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -226,7 +227,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from coordinator.store.db import migrate
 
-    tmp = Path(tempfile.mkdtemp(prefix="layout-bench-"))
     server_pg, dropped = None, None
     if args.database_url:
         db = "layout_" + secrets.token_hex(4)
@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         dropped = db
         postgres_pid = None  # every process named postgres on this machine
     else:
+        tmp = Path(tempfile.mkdtemp(prefix="layout-bench-"))
         tmp.chmod(0o755)  # the embedded server runs as user pgserver when we are root
         log(f"starting an embedded Postgres in {tmp}")
         server_pg, url = start_embedded_postgres(tmp, 40)
@@ -278,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 admin.execute(f'DROP DATABASE IF EXISTS "{dropped}" WITH (FORCE)')
         if server_pg is not None:
             server_pg.cleanup()
+            shutil.rmtree(tmp, ignore_errors=True)
     print("\n".join(lines))
     return 0
 

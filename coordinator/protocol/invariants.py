@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 from .model import Alert, Attempt, Checkpoint, Lease, Sink, TransactionalId
 from .states import (
@@ -130,6 +130,16 @@ def _i2(s: Snapshot, settled: bool) -> list[Violation]:
     return out
 
 
+_NEVER = datetime.max.replace(tzinfo=timezone.utc)
+
+
+def _in_lease_order(x: Lease) -> tuple[datetime, datetime, int]:
+    """An id's leases in the order they held it: by lease time; at the same instant (a manual
+    clock), the one resolved first, then by id. Lease ids do not say which came first: a batch's
+    first tries have ids from their attempt's block (migration 0012), above every lease row's."""
+    return x.leased_at, x.resolved_at or _NEVER, x.id
+
+
 def _i3(s: Snapshot) -> list[Violation]:
     out = []
     ids = {t.transactional_id: t for t in s.transactional_ids}
@@ -146,7 +156,7 @@ def _i3(s: Snapshot) -> list[Violation]:
         if t is None or t.state is not TransactionalIdState.LEASED or t.lease_id != held[0].id:
             out.append(Violation("I3", f"{tid} may hold a transaction of lease {held[0].id} but the pool has it as {t}"))
     for tid, leases in history.items():
-        leases.sort(key=lambda x: (x.leased_at, x.id))
+        leases.sort(key=_in_lease_order)
         for earlier, later in zip(leases, leases[1:]):
             if earlier.resolved_at is None or earlier.resolved_at > later.leased_at:
                 out.append(
@@ -212,7 +222,7 @@ def check_no_quick_reuse(s: Snapshot, reach: timedelta) -> list[Violation]:
     for x in s.leases:
         by_id[x.transactional_id].append(x)
     for tid, history in by_id.items():
-        history.sort(key=lambda x: (x.leased_at, x.id))
+        history.sort(key=_in_lease_order)
         for earlier, later in zip(history, history[1:]):
             if may_act_late(earlier) and later.leased_at < earlier.leased_at + reach:
                 out.append(Violation("R1", f"{tid} leased again (lease {later.id}) "

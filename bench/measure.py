@@ -60,8 +60,8 @@ def pg_settings(url: str) -> dict[str, str]:
 
 
 def seed_history(url: str, tag: str, checkpoints: int, partitions: int = 4, ids: int = 0) -> float:
-    """A retired sink's history of `checkpoints` committed batches (an attempt, `partitions`
-    leases and an event each) and `ids` free transactional ids (standing for other sinks' pools),
+    """A retired sink's history of `checkpoints` committed batches (an attempt with `partitions`
+    first tries, as lease rows for one batch in ten, and an event each) and `ids` free transactional ids (standing for other sinks' pools),
     then ANALYZE: the tables a running deployment has, not empty ones.
     On near-empty tables Postgres plans prepared statements with sequential scans, and keeps those
     generic plans until (auto)vacuum or ANALYZE next touches the table: a fresh database's first
@@ -81,19 +81,24 @@ def seed_history(url: str, tag: str, checkpoints: int, partitions: int = 4, ids:
             "created_at, decided_at, committed_at) "
             "SELECT %s, 'history', g, 'COMMITTED', 1, 1, now(), now(), now() FROM generate_series(1, %s) g",
             (sink_id, checkpoints))
+        # the common path's history: each batch's first tries on its attempt row (migration 0012) ...
         conn.execute(
             "INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at, "
-            "decided_at, finished_at, job_ms) "
-            "SELECT id, sink_id, 1, 1, 'COMMITTED', %s, now(), now(), now(), 5 FROM checkpoints WHERE sink_id = %s",
-            (partitions, sink_id))
+            "decided_at, finished_at, job_ms, first_tids, first_deadline_at, first_records) "
+            "SELECT id, sink_id, 1, 1, 'COMMITTED', %(p)s, now(), now(), now(), 5, "
+            "ARRAY(SELECT %(prefix)s || p FROM generate_series(0, %(p)s - 1) p), now(), "
+            "(SELECT jsonb_object_agg(p, jsonb_build_array(1000 + p, 0, 100, 10000, 5, '[[\"history\", 0, 0]]'::jsonb)) "
+            " FROM generate_series(0, %(p)s - 1) p) "
+            "FROM checkpoints WHERE sink_id = %(sink)s",
+            {"p": partitions, "prefix": name + ".", "sink": sink_id})
+        # ... and one batch in ten whose first tries became lease rows (a retry, an abort)
         conn.execute(
-            "INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, "
-            "state, leased_at, deadline_at, producer_id, producer_epoch, records, bytes, precommitted_at, "
-            "resolved_at, write_ms, first_offsets) "
-            "SELECT a.sink_id, a.checkpoint_id, a.id, p, 0, %s || p, 'COMMITTED', now(), now(), 1000 + p, 0, 100, "
-            "10000, now(), now(), 5, '[[\"history\", 0, 0]]' FROM attempts a, generate_series(0, %s) p "
-            "WHERE a.sink_id = %s",
-            (name + ".", partitions - 1, sink_id))
+            "WITH copied AS (INSERT INTO lease_rows SELECT id, sink_id, checkpoint_id, attempt_id, partition, "
+            "task_attempt_id, transactional_id, state, leased_at, deadline_at, producer_id, producer_epoch, records, "
+            "bytes, precommitted_at, resolved_at, write_ms, first_offsets FROM first_try_leases "
+            "WHERE sink_id = %(sink)s AND attempt_id %% 10 = 0) "
+            "UPDATE attempts SET first_tids = NULL, first_deadline_at = NULL, first_records = NULL "
+            "WHERE sink_id = %(sink)s AND id %% 10 = 0", {"sink": sink_id})
         conn.execute(
             "INSERT INTO transactional_ids (sink_id, ordinal, transactional_id, state, released_at) "
             "SELECT %s, g, %s || g, 'FREE', now() FROM generate_series(1, %s) g", (sink_id, name + ".", ids))

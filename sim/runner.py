@@ -29,6 +29,7 @@ from coordinator.protocol import errors as e
 from coordinator.protocol import recovery_rules
 from coordinator.protocol.invariants import (
     Snapshot,
+    Violation,
     check_committed_unchanged,
     check_invariants,
     check_no_quick_reuse,
@@ -45,6 +46,7 @@ from coordinator.store.tables import (
     checkpoints,
     events,
     generations,
+    lease_rows,
     leases,
     sinks,
     transactional_ids,
@@ -527,6 +529,9 @@ class Sim:
         found += check_no_quick_reuse(snap, timedelta(milliseconds=self.executor_init_reach_ms(self.limits)))
         if self._last_snapshot is not None:
             found += check_committed_unchanged(self._last_snapshot, snap)
+        with self.engine.connect() as conn:  # the storage layout: a first try is in one place only
+            found += [Violation("S1", f"attempt {a}'s first tries are both on its row and lease rows")
+                      for a in repo.first_tries_in_two_places(conn, self.sink_id)]
         self._last_snapshot = snap
         self.violations += [f"{v} [{when}]" for v in map(str, found)]
 
@@ -535,7 +540,7 @@ class Sim:
         if sid is None:
             return
         with self.engine.begin() as conn:
-            for table in (events, leases, transactional_ids, attempts, checkpoints, generations):
+            for table in (events, lease_rows, transactional_ids, attempts, checkpoints, generations):
                 conn.execute(delete(table).where(table.c.sink_id == sid))
             conn.execute(delete(sinks).where(sinks.c.id == sid))
 

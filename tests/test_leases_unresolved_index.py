@@ -1,6 +1,8 @@
 """Lease state changes between unresolved states are HOT updates (migration 0008): no index covers
 `state`; "unresolved" is `resolved_at IS NULL` (a CHECK keeps it equal to the unresolved states),
-the partial index ix_leases_unresolved is on it, and the queries for unresolved leases use it."""
+the partial index ix_lease_rows_unresolved is on it, and the queries for unresolved leases use it
+through the view unresolved_leases, whose first tries come from unfinished attempts only
+(ix_attempts_open, migration 0012)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def _start(c: Coordinator) -> int:
 
 
 def _add_resolved_history(engine: Engine, sink_id: int, generation: int) -> None:
-    """Committed batches with their leases, as a sink has after running a while."""
+    """Committed batches with their leases, as a sink has after running a while: first tries on
+    the attempt rows (the common path) and a retry's lease row each."""
     with engine.begin() as conn:
         conn.execute(text(
             "INSERT INTO checkpoints (sink_id, query_id, batch_id, state, current_attempt, committed_attempt, "
@@ -39,14 +42,16 @@ def _add_resolved_history(engine: Engine, sink_id: int, generation: int) -> None
         ), {"sink": sink_id, "n": RESOLVED_CHECKPOINTS})
         conn.execute(text(
             "INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at, "
-            "decided_at, finished_at) SELECT id, sink_id, 1, :gen, 'COMMITTED', 2, now(), now(), now() "
+            "decided_at, finished_at, first_tids, first_deadline_at, first_records) "
+            "SELECT id, sink_id, 1, :gen, 'COMMITTED', 2, now(), now(), now(), ARRAY['clicks-eos-0', 'clicks-eos-1'], "
+            "now(), CAST('{\"0\": [1, 0, 5, 50, 3, null]}' AS jsonb) "
             "FROM checkpoints WHERE sink_id = :sink AND batch_id >= 1000"
         ), {"sink": sink_id, "gen": generation})
         conn.execute(text(
-            "INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, "
-            "state, leased_at, deadline_at, precommitted_at, resolved_at) "
-            "SELECT a.sink_id, a.checkpoint_id, a.id, p, 0, 'clicks-eos-' || p, 'COMMITTED', now(), "
-            "now() + interval '1 minute', now(), now() FROM attempts a, generate_series(0, 1) p "
+            "INSERT INTO lease_rows (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, "
+            "transactional_id, state, leased_at, deadline_at, precommitted_at, resolved_at) "
+            "SELECT a.sink_id, a.checkpoint_id, a.id, 1, 0, 'clicks-eos-2', 'COMMITTED', now(), "
+            "now() + interval '1 minute', now(), now() FROM attempts a "
             "WHERE a.sink_id = :sink AND a.state = 'COMMITTED'"
         ), {"sink": sink_id})
         conn.execute(text("ANALYZE"))
@@ -57,9 +62,9 @@ def _lease_row(state: str, resolved: bool) -> dict[str, Any]:
 
 
 _INSERT_LEASE = text(
-    "INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, state, "
-    "leased_at, deadline_at, resolved_at) SELECT l.sink_id, l.checkpoint_id, l.attempt_id, l.partition, 77, "
-    "l.transactional_id, :state, now(), now(), CAST(:resolved_at AS timestamptz) FROM leases l LIMIT 1"
+    "INSERT INTO lease_rows (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, "
+    "state, leased_at, deadline_at, resolved_at) SELECT l.sink_id, l.checkpoint_id, l.attempt_id, l.partition, 77, "
+    "l.transactional_id, :state, now(), now(), CAST(:resolved_at AS timestamptz) FROM lease_rows l LIMIT 1"
 )
 
 
@@ -73,7 +78,7 @@ def test_resolved_at_is_set_exactly_on_the_end_states(coordinator: Coordinator, 
     attempt = coordinator.begin_checkpoint(NAME, 0, gen, "test").attempt
     assert attempt is not None
     coordinator.begin_partition(NAME, 0, attempt.number, gen, 0, 1)
-    with pytest.raises(IntegrityError, match="ck_leases_resolved"), engine.begin() as conn:
+    with pytest.raises(IntegrityError, match="ck_lease_rows_resolved"), engine.begin() as conn:
         conn.execute(_INSERT_LEASE, _lease_row(state, resolved))
     with engine.begin() as conn:  # the consistent variant of the same row is accepted
         conn.execute(_INSERT_LEASE, _lease_row(state, not resolved))
@@ -103,8 +108,9 @@ def test_migration_fills_in_resolved_at_of_old_end_state_leases(database_url: st
 
 def test_queries_for_unresolved_leases_use_the_partial_index(coordinator: Coordinator, engine: Engine) -> None:
     """With thousands of resolved leases and a few unresolved ones, every query that asks for
-    unresolved leases says `resolved_at IS NULL` and reads ix_leases_unresolved (the expired-lease
-    query may go through the open attempts instead); none scans the table."""
+    unresolved leases reads the view unresolved_leases: ix_lease_rows_unresolved for the lease rows
+    (the expired-lease query may go through the open attempts instead) and ix_attempts_open for the
+    first tries on attempt rows; none scans lease_rows or attempts."""
     gen = _start(coordinator)
     attempt = coordinator.begin_checkpoint(NAME, 0, gen, "test").attempt
     assert attempt is not None
@@ -134,7 +140,7 @@ def test_queries_for_unresolved_leases_use_the_partial_index(coordinator: Coordi
             seen: list[tuple[str, Any]] = []
 
             def capture(_conn: object, _cursor: object, statement: str, parameters: Any, *_: object) -> None:
-                if "resolved_at IS NULL" in statement:
+                if "unresolved_leases" in statement:
                     seen.append((statement, parameters))  # noqa: B023 - read before the next iteration
 
             event.listen(engine, "before_cursor_execute", capture)
@@ -150,8 +156,9 @@ def test_queries_for_unresolved_leases_use_the_partial_index(coordinator: Coordi
     assert all(plans.values()), {k for k, v in plans.items() if not v}  # each asked for unresolved leases
     for label, explained in plans.items():
         for plan in explained:
-            assert "Seq Scan on leases" not in plan, (label, plan)
+            assert "Seq Scan on lease_rows" not in plan and "Seq Scan on attempts" not in plan, (label, plan)
             # expired leases are looked up by open attempt: either way is a few rows
-            assert "ix_leases_unresolved" in plan or (
-                label == "abort_expired_leases" and "uq_leases_attempt_id_partition_task_attempt_id" in plan
+            assert "ix_lease_rows_unresolved" in plan or (
+                label == "abort_expired_leases" and "uq_lease_rows_attempt_id_partition_task_attempt_id" in plan
             ), (label, plan)
+            assert "ix_attempts_open" in plan or label == "abort_expired_leases", (label, plan)

@@ -9,7 +9,7 @@ from sqlalchemy import inspect
 from coordinator.store.db import downgrade, make_engine, migrate, schema_is_current
 from coordinator.store.tables import metadata
 
-TABLES = {"sinks", "generations", "checkpoints", "attempts", "transactional_ids", "leases", "events", "recovery_leader"}
+TABLES = {"sinks", "generations", "checkpoints", "attempts", "transactional_ids", "lease_rows", "events", "recovery_leader"}
 
 
 def test_migrated_schema_matches_the_declared_tables(engine):
@@ -36,27 +36,27 @@ def test_indexes_for_the_hot_queries_exist(engine):
     insp = inspect(engine)
     names = {ix["name"] for t in TABLES for ix in insp.get_indexes(t)}
     # pool leasing, unresolved-transaction sweeps, open-attempt lookups, audit trail paging
-    assert {"ix_transactional_ids_free_lru", "ix_leases_unresolved", "ix_attempts_open", "ix_events_sink_id_id"} <= names
+    assert {"ix_transactional_ids_free_lru", "ix_lease_rows_unresolved", "ix_attempts_open", "ix_events_sink_id_id"} <= names
     # a resolved lease's id is found by its unique transactional_id: no index on lease_id (0007),
     # so leasing an id is a HOT update
     assert "ix_transactional_ids_lease_id" not in names
     # no lease index covers `state`, so moves between unresolved states are HOT updates (0008)
     assert all("state" not in ix["column_names"] and "state" not in str(ix.get("dialect_options", {}))
-               for ix in insp.get_indexes("leases")), insp.get_indexes("leases")
+               for ix in insp.get_indexes("lease_rows")), insp.get_indexes("lease_rows")
 
 
 def test_tables_updated_per_batch_leave_room_for_hot_updates(engine):
     with engine.connect() as conn:
         options = dict(conn.exec_driver_sql(
             "SELECT relname, reloptions FROM pg_class WHERE relname IN "
-            "('checkpoints', 'attempts', 'leases', 'transactional_ids')"
+            "('checkpoints', 'attempts', 'lease_rows', 'transactional_ids')"
         ).all())
-    assert options == {t: ["fillfactor=80"] for t in ("checkpoints", "attempts", "leases", "transactional_ids")}
+    assert options == {t: ["fillfactor=80"] for t in ("checkpoints", "attempts", "lease_rows", "transactional_ids")}
 
 
 def test_state_columns_only_take_their_machine_states(engine):
     insp = inspect(engine)
-    for table in ("checkpoints", "attempts", "leases", "transactional_ids"):
+    for table in ("checkpoints", "attempts", "lease_rows", "transactional_ids"):
         checks = {c["name"] for c in insp.get_check_constraints(table)}
         assert f"ck_{table}_state" in checks
 
@@ -79,11 +79,11 @@ def test_a_lease_must_name_its_attempts_checkpoint_and_sink(engine):
         attempt = conn.execute(text(
             "INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, started_at) "
             "VALUES (:c, :s, 1, 0, 'OPEN', now()) RETURNING id"), {"c": cps[0], "s": sink}).scalar_one()
-    lease = ("INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, "
+    lease = ("INSERT INTO lease_rows (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, "
              "state, leased_at, deadline_at) VALUES (:s, :c, :a, 0, :t, 's-0', 'LEASED', now(), now())")
     with engine.begin() as conn:
         conn.execute(text(lease), {"s": sink, "c": cps[0], "a": attempt, "t": 0})
     for task, wrong in enumerate( ({"s": sink, "c": cps[1], "a": attempt}, {"s": sink + 1, "c": cps[0], "a": attempt},
                   {"s": sink, "c": cps[0], "a": attempt + 1}), start=1):
-        with pytest.raises(IntegrityError, match="fk_leases_attempt_id_attempts"), engine.begin() as conn:
+        with pytest.raises(IntegrityError, match="fk_lease_rows_attempt_id_attempts"), engine.begin() as conn:
             conn.execute(text(lease), {**wrong, "t": task})

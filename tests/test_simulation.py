@@ -481,3 +481,29 @@ def test_a_checkpoint_restored_from_an_older_backup_loses_nothing(engine: Engine
 def test_a_commit_applied_whose_answer_was_lost_before_a_re_init_is_not_declared_lost(engine: Engine) -> None:
     found = first_violation(engine, only("end_txn_lost_reinit", 0.2), range(9000, 9030))
     assert found is None, found.report()
+
+
+def test_checker_catches_first_tries_copied_to_lease_rows_instead_of_moved(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The storage layout's broken variant (migration 0012): materialising copies a batch's first
+    tries into lease_rows but leaves them on the attempt row too, so each is counted twice."""
+    from sqlalchemy import text
+
+    from coordinator.store.tables import lease_rows
+
+    columns = ", ".join(c.name for c in lease_rows.c)
+
+    def copy_only(conn, attempt_ids):  # type: ignore[no-untyped-def]
+        conn.execute(text(
+            f"INSERT INTO lease_rows ({columns}) SELECT {columns} FROM first_try_leases f "
+            "WHERE f.attempt_id = ANY(CAST(:ids AS bigint[])) AND NOT EXISTS (SELECT 1 FROM lease_rows r WHERE r.id = f.id)"
+        ), {"ids": sorted(set(attempt_ids))})
+
+    monkeypatch.setattr(repo, "materialize_first_tries", copy_only)
+    # an attempt ended otherwise than committed trips the CHECK on its row; the check finds the rest
+    for seed in range(7000, 7040):
+        found = run_one(engine, seed, FaultConfig(), keep_on_failure=False)
+        if any(v.startswith("S1") for v in found.violations):
+            return
+    raise AssertionError("no S1 violation within 40 seeds")

@@ -29,7 +29,7 @@ from ..protocol import rules
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
 from ..protocol.states import ABORT_PENDING_STATES, AttemptState, CheckpointState, LeaseState
 from ..store import driver_sql, hot_path, repo
-from ..store.tables import attempts, checkpoints, leases, sinks
+from ..store.tables import attempts, checkpoints, lease_rows, leases, sinks, unresolved_leases
 from . import metrics
 from .clock import Clock, DatabaseClock, now_from
 from .results import AbortOutcome, CommitResult, Limits, _Decision
@@ -98,8 +98,9 @@ class CoordinatorBase:
                 return self._aborting_leases(checkpoint_ids, own)
         return repo.leases_where(
             conn,
-            leases.c.checkpoint_id.in_(list(checkpoint_ids)),
-            repo.lease_in(*ABORT_PENDING_STATES),
+            unresolved_leases.c.checkpoint_id.in_(list(checkpoint_ids)),
+            repo.unresolved_in(*ABORT_PENDING_STATES),
+            source=unresolved_leases,
         )
 
     def _result_from(self, sink: Sink, cp: Checkpoint, attempt: Attempt, checkpoint_leases: list[Lease]) -> CommitResult:
@@ -222,8 +223,9 @@ class CoordinatorBase:
             locked = repo.as_checkpoint(  # lock order: checkpoint before its leases
                 conn.execute(select(checkpoints).where(checkpoints.c.id == cp.id).with_for_update()).one()
             )
+            repo.materialize_first_tries(conn, [attempt.id])  # their states now differ: lease rows
             done = [x.id for x in pending if x.transactional_id not in failures]
-            changed = repo.cas(conn, leases, done, [LeaseState.COMMITTING], LeaseState.COMMITTED, resolved_at=now)
+            changed = repo.cas(conn, lease_rows, done, [LeaseState.COMMITTING], LeaseState.COMMITTED, resolved_at=now)
             repo.release_transactional_ids(conn, done, now)  # a committed winner's id: reusable at once
             found_committed = [r.transactional_id for r in changed if r.transactional_id in after_all]
             if found_committed:
@@ -231,7 +233,7 @@ class CoordinatorBase:
                                transactional_ids=found_committed, codes=[after_all[t] for t in found_committed])
             # refused winners: their ids are fenced on Kafka (LOST_ABORTING) before they are free
             lost_rows = repo.cas(
-                conn, leases, [r.lease.id for r in refused.values()], [LeaseState.COMMITTING], LeaseState.LOST_ABORTING
+                conn, lease_rows, [r.lease.id for r in refused.values()], [LeaseState.COMMITTING], LeaseState.LOST_ABORTING
             )
             newly_lost.extend(repo.as_lease(r) for r in lost_rows)
             checkpoint_leases = repo.leases_where(conn, leases.c.checkpoint_id == cp.id)
@@ -367,10 +369,11 @@ class CoordinatorBase:
                 {"id": str(x.id)},
             ).scalar()
         }
-        # read after claiming: a lease still ABORTING now cannot be released by anyone but us
-        states = dict(
-            guard.execute(select(leases.c.id, leases.c.state).where(leases.c.id.in_([x.id for x in candidates]))).all()
-        )
+        # read after claiming: a lease still ABORTING now cannot be released by anyone but us (a lease
+        # to abort is a lease row: only those take the states that lead there)
+        states = dict(guard.execute(
+            select(lease_rows.c.id, lease_rows.c.state).where(lease_rows.c.id.in_([x.id for x in candidates]))
+        ).all())
         pending_states = {s.value for s in ABORT_PENDING_STATES}
         ended_states = {s.value for s in ABORT_PENDING_STATES.values()}
         to_abort = [x for x in candidates if x.id in claimed and states.get(x.id) in pending_states]
@@ -405,7 +408,7 @@ class CoordinatorBase:
             now = self.clock.now_in(conn)
             changed = []
             for old, new in ABORT_PENDING_STATES.items():  # ABORTING -> ABORTED, LOST_ABORTING -> LOST
-                changed += repo.cas(conn, leases, [x.id for x in done if states[x.id] == old.value], [old], new,
+                changed += repo.cas(conn, lease_rows, [x.id for x in done if states[x.id] == old.value], [old], new,
                                     resolved_at=now)
             # an undecided try may still be alive and reach the broker: no reuse before the quarantine ends
             repo.release_transactional_ids(conn, [r.id for r in changed], now, now + self.limits.quarantine)

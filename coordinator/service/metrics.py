@@ -7,7 +7,8 @@ Two kinds:
   (`coordinator_recovery_leader` is 1 there).
 - State-derived gauges (open transactions, the oldest one's age, checkpoints by state), computed
   from the database at scrape time by `DatabaseCollector`, so every replica reports the same
-  truth. They use the partial index on unresolved leases and the (sink, state) checkpoint index,
+  truth. They read the view unresolved_leases (partial indexes on unresolved lease rows and on
+  unfinished attempts) and the (sink, state) checkpoint index,
   and are cached for `ttl_s` so a burst of scrapes costs one query.
 
 Names follow Prometheus conventions: counters end in `_total` (prometheus_client adds it to the
@@ -185,8 +186,8 @@ _OPEN_TRANSACTIONS = text(
     f"""
     SELECT s.name, l.state, count(*) AS n,
            extract(epoch FROM now() - min(l.leased_at)) AS oldest_s
-      FROM leases l JOIN sinks s ON s.id = l.sink_id
-     WHERE l.resolved_at IS NULL AND l.state IN {_sql_list(OPEN_STATES)}
+      FROM unresolved_leases l JOIN sinks s ON s.id = l.sink_id
+     WHERE l.state IN {_sql_list(OPEN_STATES)}
      GROUP BY s.name, l.state
     """
 )

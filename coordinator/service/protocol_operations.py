@@ -26,7 +26,7 @@ from ..protocol.states import LOST_LEASE_STATES, UNDECIDED_LEASE_STATES, Attempt
 from .clock import given_now, now_from
 from ..store import hot_path, repo
 from ..store.hot_path import NewAttempt
-from ..store.tables import attempts, checkpoints, generations, leases, sinks
+from ..store.tables import attempts, checkpoints, generations, lease_rows, leases, sinks
 from . import metrics
 from .base import log
 from .reads import Reads
@@ -250,8 +250,7 @@ class ProtocolOperations(Reads):
                 ) if partitions else []
                 made = hot_path.insert_attempt_with_leases(
                     conn, sink=sink, checkpoint_id=cp.id, number=number, generation=generation, partitions=partitions,
-                    now=now, task_attempt_id=FIRST_TRY_TASK_ATTEMPT, taken=taken,
-                    deadline_at=rules.transaction_deadline(now, sink.transaction_timeout_ms),
+                    now=now, taken=taken, deadline_at=rules.transaction_deadline(now, sink.transaction_timeout_ms),
                 )
                 fresh.append((made, sink))
                 latest = made.attempt
@@ -350,6 +349,7 @@ class ProtocolOperations(Reads):
         """Mark the attempts ABORTED and their undecided leases ABORTING; returns the leases whose
         transactions must now be aborted on Kafka. Their ids stay LEASED until that is done, so
         none is re-leased while it may hold a transaction (I3, and scale-down for free)."""
+        repo.materialize_first_tries(conn, attempt_ids)  # before the attempts end: their first tries change
         aborted = repo.cas(
             conn, attempts, attempt_ids, [AttemptState.OPEN], AttemptState.ABORTED, finished_at=now, abort_reason=reason
         )
@@ -357,11 +357,13 @@ class ProtocolOperations(Reads):
             return []
         undecided = repo.leases_where(
             conn,
-            leases.c.attempt_id.in_([a.id for a in aborted]),
-            repo.lease_in(*UNDECIDED_LEASE_STATES),
+            lease_rows.c.attempt_id.in_([a.id for a in aborted]),
+            lease_rows.c.resolved_at.is_(None),
+            lease_rows.c.state.in_([s.value for s in UNDECIDED_LEASE_STATES]),
+            source=lease_rows,
             lock=True,
         )
-        changed = repo.cas(conn, leases, [x.id for x in undecided], UNDECIDED_LEASE_STATES, LeaseState.ABORTING)
+        changed = repo.cas(conn, lease_rows, [x.id for x in undecided], UNDECIDED_LEASE_STATES, LeaseState.ABORTING)
         for a in aborted:
             repo.add_event(conn, sink.id, "attempt_aborted", actor, now, a.checkpoint_id, attempt=a.number, reason=reason)
         return [repo.as_lease(r) for r in changed]
@@ -400,12 +402,13 @@ class ProtocolOperations(Reads):
             if again is not None:
                 return again
             rules.check_attempt_writable(attempt, cp.current_attempt, generation)
+            repo.materialize_first_tries(conn, [attempt.id])  # a lease row joins them: all are rows
             now = self.clock.now_in(conn)
             ((tid_row, tid),) = repo.take_free_transactional_ids(
                 conn, sink, 1, now, lambda n: rules.transactional_id_for(sink.transactional_id_prefix, n)
             )
             row = conn.execute(
-                insert(leases)
+                insert(lease_rows)
                 .values(
                     sink_id=sink.id,
                     checkpoint_id=cp.id,
@@ -417,7 +420,7 @@ class ProtocolOperations(Reads):
                     leased_at=now,
                     deadline_at=rules.transaction_deadline(now, sink.transaction_timeout_ms),
                 )
-                .returning(*leases.c)
+                .returning(*lease_rows.c)
             ).one()
             repo.hand_out_transactional_ids(conn, [(tid_row, row.id)])
             return repo.as_lease(row)
@@ -442,6 +445,7 @@ class ProtocolOperations(Reads):
             sink = repo.sink_by_name(conn, name)
             rules.check_generation(sink.generation, generation)
             attempt = repo.attempt_of_lease(conn, sink, lease_id, lock="key_share")  # lock order: attempt first
+            repo.materialize_first_tries(conn, [attempt.id])  # a first try changes alone: all become rows
             lease = repo.lease_by_id(conn, sink, lease_id, lock=True)
             if rules.precommit_already_recorded(lease, request):
                 return lease
@@ -453,7 +457,7 @@ class ProtocolOperations(Reads):
             rules.check_precommit(lease, now, sink.commit_margin_ms)
             (row,) = repo.cas(
                 conn,
-                leases,
+                lease_rows,
                 [lease.id],
                 [LeaseState.LEASED],
                 LeaseState.PRECOMMITTED,
@@ -518,8 +522,8 @@ class ProtocolOperations(Reads):
             if attempt.state is AttemptState.ABORTED and attempt.abort_reason == e.DEADLINE_TOO_CLOSE:
                 raise e.Conflict(e.DEADLINE_TOO_CLOSE, f"attempt {attempt_number} was aborted by the timeout gate")
             rules.check_attempt_writable(attempt, cp.current_attempt, generation)
-            attempt_leases, db_now = hot_path.lock_attempt_leases(conn, attempt.id)  # the clock read after the locks
-            now = now_from(self.clock, conn, db_now)
+            locked = hot_path.lock_attempt_leases(conn, attempt.id)  # the clock read after the locks
+            attempt_leases, now = locked.leases, now_from(self.clock, conn, locked.db_now)
             try:
                 plan = rules.plan_commit(attempt_leases, results, self.limits.max_partitions)
             except e.Conflict as refusal:
@@ -536,24 +540,32 @@ class ProtocolOperations(Reads):
                 to_abort = self._abort_attempt_rows(conn, sink, [attempt.id], e.DEADLINE_TOO_CLOSE, now, actor)
                 repo.add_event(conn, sink.id, "commit_refused", actor, now, cp.id, attempt=attempt_number, **refusal.to_dict())
                 return cp.id, None, to_abort, refusal
-            # the decision, the records that came with the commit and the audit event in one statement
+            # the common path keeps the first tries on the attempt's row: every winner one of them, with
+            # its record; otherwise they become lease rows before anything changes them
             recorded = {lease.id for lease, _ in plan.records}
+            on_row = locked.on_row and not plan.losers and len(recorded) == len(plan.winners)
+            if locked.on_row and not on_row:
+                repo.materialize_first_tries(conn, [attempt.id])
+            # the decision, the records that came with the commit and the audit event in one statement
             decided_cp, decided_attempt, winners = hot_path.decide(
                 conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, number=attempt_number,
                 partitions=len(results), job_ms=job_ms, records=plan.records,
                 now=now, actor=actor,
                 event_detail=dict(batch_id=batch_id, attempt=attempt_number,
                                   winners=[[w.partition, w.id, w.transactional_id] for w in plan.winners]),
+                first_tries_on_row=attempt_leases if on_row else None,
             )
+            if on_row:  # the statement ended the unused first tries too
+                return cp.id, _Decision(sink, decided_cp, decided_attempt, sorted(winners, key=lambda x: x.id)), [], None
             winners += [repo.as_lease(r) for r in repo.cas(
-                conn, leases, [w.id for w in plan.winners if w.id not in recorded], [LeaseState.PRECOMMITTED],
+                conn, lease_rows, [w.id for w in plan.winners if w.id not in recorded], [LeaseState.PRECOMMITTED],
                 LeaseState.COMMITTING)]
             winners.sort(key=lambda x: x.id)
             if len(winners) != len(plan.winners):
                 raise AssertionError("a winner changed state under the decision's locks")
-            losers = repo.cas(conn, leases, [x.id for x in plan.losers], UNDECIDED_LEASE_STATES, LeaseState.ABORTING)
+            losers = repo.cas(conn, lease_rows, [x.id for x in plan.losers], UNDECIDED_LEASE_STATES, LeaseState.ABORTING)
             # first-try leases of empty partitions: no producer ever used them, free at once
-            unused = repo.cas(conn, leases, [x.id for x in plan.unused], [LeaseState.LEASED], LeaseState.ABORTED,
+            unused = repo.cas(conn, lease_rows, [x.id for x in plan.unused], [LeaseState.LEASED], LeaseState.ABORTED,
                               resolved_at=now)
             repo.release_transactional_ids(conn, [r.id for r in unused], now)
             decision = _Decision(sink, decided_cp, decided_attempt, winners)

@@ -11,7 +11,7 @@ from ..protocol.invariants import Snapshot
 from ..protocol.model import Checkpoint, Lease, Sink
 from ..protocol.states import UNRESOLVED_LEASE_STATES, CheckpointState
 from ..store import repo
-from ..store.tables import attempts, checkpoints, events, leases, sinks, transactional_ids
+from ..store.tables import attempts, checkpoints, events, leases, sinks, transactional_ids, unresolved_leases
 from .base import CoordinatorBase
 from .results import CheckpointDetail, PoolUsage, SinkOverview
 
@@ -58,7 +58,8 @@ class Reads(CoordinatorBase):
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             return repo.leases_where(
-                conn, leases.c.sink_id == sink.id, repo.lease_in(*UNRESOLVED_LEASE_STATES)
+                conn, unresolved_leases.c.sink_id == sink.id, repo.unresolved_in(*UNRESOLVED_LEASE_STATES),
+                source=unresolved_leases,
             )
 
     def list_events(
@@ -129,7 +130,7 @@ class Reads(CoordinatorBase):
             cp_attempts = [repo.as_attempt(r) for r in conn.execute(
                 select(attempts).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
             )] if ids else []
-            unresolved = repo.leases_where(conn, repo.lease_in(*UNRESOLVED_LEASE_STATES))
+            unresolved = repo.leases_where(conn, repo.unresolved_in(*UNRESOLVED_LEASE_STATES), source=unresolved_leases)
         return [
             SinkOverview(
                 sink=sink,

@@ -38,7 +38,7 @@ from ..kafka.control_plane import ControlPlaneError
 from ..protocol import recovery_rules
 from ..protocol.states import ABORT_PENDING_STATES, UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
 from ..store import repo
-from ..store.tables import attempts, checkpoints, leases, sinks
+from ..store.tables import attempts, checkpoints, sinks, unresolved_leases
 from . import Coordinator, metrics
 from .broker_checks import record_lso_lag
 
@@ -78,7 +78,7 @@ _MS = text("interval '1 millisecond'")
 
 
 def _due_query(now: datetime) -> Any:
-    lease_in = repo.lease_in  # with resolved_at IS NULL: the partial index ix_leases_unresolved
+    leases, lease_in = unresolved_leases, repo.unresolved_in  # ix_lease_rows_unresolved and ix_attempts_open
     finish = or_(
         exists().where(checkpoints.c.sink_id == sinks.c.id, checkpoints.c.state == CheckpointState.COMMITTING.value),
         exists().where(leases.c.sink_id == sinks.c.id, lease_in(LeaseState.COMMITTING)),  # winners of LOST ones

@@ -15,7 +15,7 @@ from ..protocol import recovery_rules, rules
 from ..protocol.model import Lease, Sink
 from ..protocol.states import ABORT_PENDING_STATES, UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
 from ..store import repo
-from ..store.tables import attempts, checkpoints, events, leases, transactional_ids
+from ..store.tables import attempts, checkpoints, events, lease_rows, transactional_ids, unresolved_leases
 from . import metrics
 from .base import _target, log
 from .reads import Reads
@@ -33,7 +33,8 @@ class RecoveryOperations(Reads):
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             pending = repo.leases_where(
-                conn, leases.c.sink_id == sink.id, repo.lease_in(*ABORT_PENDING_STATES)
+                conn, unresolved_leases.c.sink_id == sink.id, repo.unresolved_in(*ABORT_PENDING_STATES),
+                source=unresolved_leases,
             )
         return self._abort_on_kafka(name, pending)
 
@@ -51,7 +52,8 @@ class RecoveryOperations(Reads):
                 )
             ]
             committing = repo.leases_where(
-                conn, leases.c.sink_id == sink.id, repo.lease_in(LeaseState.COMMITTING)
+                conn, unresolved_leases.c.sink_id == sink.id, repo.unresolved_in(LeaseState.COMMITTING),
+                source=unresolved_leases,
             ) if candidates else []
         by_id = {c.id: c for c in candidates}
         out = FinishOutcome()
@@ -84,20 +86,23 @@ class RecoveryOperations(Reads):
             )
             candidates = repo.leases_where(
                 conn,
-                leases.c.sink_id == sink.id,
-                repo.lease_in(*UNDECIDED_LEASE_STATES),
-                leases.c.attempt_id.in_(open_attempts),
+                unresolved_leases.c.sink_id == sink.id,
+                repo.unresolved_in(*UNDECIDED_LEASE_STATES),
+                unresolved_leases.c.attempt_id.in_(open_attempts),
+                source=unresolved_leases,
             )
             attempt_rows = [repo.attempt_by_id(conn, a) for a in {x.attempt_id for x in candidates}]
             now = self.clock.now_in(conn)
             expired = recovery_rules.expired_leases(candidates, attempt_rows, now, sink.commit_margin_ms)
             if not expired:
                 return []
-            # lock order: leases by id (as commit does); the CAS re-checks state and the open attempt
-            repo.leases_where(conn, leases.c.id.in_([x.id for x in expired]), lock=True)
+            # lock order: attempts, then leases by id (as commit does); the CAS re-checks state and the
+            # open attempt
+            repo.materialize_first_tries(conn, [x.attempt_id for x in expired])
+            repo.leases_where(conn, lease_rows.c.id.in_([x.id for x in expired]), source=lease_rows, lock=True)
             changed = repo.cas(
-                conn, leases, [x.id for x in expired], UNDECIDED_LEASE_STATES, LeaseState.ABORTING,
-                where=[leases.c.attempt_id.in_(open_attempts)],
+                conn, lease_rows, [x.id for x in expired], UNDECIDED_LEASE_STATES, LeaseState.ABORTING,
+                where=[lease_rows.c.attempt_id.in_(open_attempts)],
             )
             for cp_id in sorted({r.checkpoint_id for r in changed}):
                 repo.add_event(
@@ -120,8 +125,9 @@ class RecoveryOperations(Reads):
             sink = repo.sink_by_name(conn, name)
             live = repo.leases_where(
                 conn,
-                leases.c.sink_id == sink.id,
-                repo.lease_in(LeaseState.PRECOMMITTED, LeaseState.COMMITTING),
+                unresolved_leases.c.sink_id == sink.id,
+                repo.unresolved_in(LeaseState.PRECOMMITTED, LeaseState.COMMITTING),
+                source=unresolved_leases,
             )
             now = self.clock.now_in(conn)
             near = recovery_rules.near_timeout(live, now, sink.transaction_timeout_ms, fraction)

@@ -13,7 +13,7 @@ from ..protocol import rules
 from ..protocol.model import Sink
 from ..protocol.states import UNRESOLVED_LEASE_STATES, AttemptState, CheckpointState
 from ..store import repo
-from ..store.tables import attempts, checkpoints, leases, sinks
+from ..store.tables import attempts, checkpoints, sinks, unresolved_leases
 from .base import CoordinatorBase
 
 
@@ -35,8 +35,8 @@ class RetirementOperations(CoordinatorBase):
                                     attempts.c.finished_at.is_(None)),  # the partial index ix_attempts_open
                 committing_checkpoints=count(checkpoints, checkpoints.c.sink_id == sink.id,
                                              checkpoints.c.state == CheckpointState.COMMITTING.value),
-                unresolved_leases=count(leases, leases.c.sink_id == sink.id,
-                                        repo.lease_in(*UNRESOLVED_LEASE_STATES)),
+                unresolved_leases=count(unresolved_leases, unresolved_leases.c.sink_id == sink.id,
+                                        repo.unresolved_in(*UNRESOLVED_LEASE_STATES)),
             )
             if blockers:
                 raise e.Conflict(e.RETIREMENT_BLOCKED, f"sink {name!r} cannot be retired yet: " + "; ".join(blockers),

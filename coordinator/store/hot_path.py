@@ -8,6 +8,14 @@ decided. Every state change here is one the state machine allows (checked before
 Each statement is built once at import, with arrays for the P rows, so its SQL is the same for
 every call and every P, and runs prepared on the connection's libpq handle (`driver_sql`: no
 SQLAlchemy compilation or result metadata per call, no psycopg cursor, prepared once per session).
+
+On the common path a batch's first tries stay on its attempt row (migration 0012): begin writes
+them there, the decision adds their records, the mark commits them with the attempt. Any other
+path turns them into lease rows first (repo.materialize_first_tries), and these statements then
+work on lease_rows as before.
+
+Long because each statement carries the reasons for its shape (locks, snapshots, plans) beside
+the function that runs it.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Table
 
-from ..protocol.model import Attempt, Checkpoint, Lease, PrecommitRecord, Sink
+from ..protocol.model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PrecommitRecord, Sink
 from ..protocol.states import (
     AttemptState,
     CheckpointState,
@@ -28,7 +36,7 @@ from ..protocol.states import (
     require_transition,
 )
 from .driver_sql import DriverStatement, int_array, text_array
-from .tables import attempts, checkpoints, leases, sinks
+from .tables import FIRST_TRY_ID_BASE, FIRST_TRY_ID_STRIDE, attempts, checkpoints, first_try_lease_id, lease_rows, leases, sinks
 
 
 # Above this many rows in its arrays, a statement is planned for its values (DriverStatement.rows):
@@ -152,34 +160,29 @@ def _existing_checkpoint_head(conn: Connection, sink: Sink, cp: Checkpoint) -> C
     )
 
 
-# A new attempt with its first tries' leases, in one statement: the attempt, the checkpoint's
-# current attempt, one LEASED lease per partition (the i-th id to partition i; ids locked by the
-# caller's take_free_transactional_ids) and those ids handed to their leases (found by their unique
-# transactional_id: joining on an unnest() would be a nested loop). No event: the attempt row
-# (started_at) is the record of a plain begin; the batch's one event is its decision. The answer is
-# the attempt's row, then each lease's id (FULL JOIN ON false: P rows do not repeat the attempt);
-# the caller knows the rest of the leases' rows, which it wrote.
+# A new attempt with its first tries' leases, in one statement: the attempt with its first tries
+# on its row (the i-th id to partition i; ids locked by the caller's take_free_transactional_ids),
+# the checkpoint's current attempt, and those ids handed to their leases (first_try_lease_id; found
+# by their unique transactional_id). No lease row and no event: the attempt row (started_at) is the
+# record of a plain begin; the batch's one event is its decision.
 _NEW_ATTEMPT = DriverStatement(f"""
 WITH a AS (
-    INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at)
-    VALUES (:checkpoint_id, :sink_id, :number, :generation, 'OPEN', :partitions, :now)
+    INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at,
+                          first_tids, first_deadline_at)
+    VALUES (:checkpoint_id, :sink_id, :number, :generation, 'OPEN', :partitions, :now,
+            CAST(:tids AS varchar(255)[]), :deadline_at)
     RETURNING *
 ), c AS (
     UPDATE checkpoints SET current_attempt = :number WHERE id = :checkpoint_id RETURNING id
-), l AS (
-    INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, state,
-                        leased_at, deadline_at)
-    SELECT :sink_id, :checkpoint_id, a.id, v.partition, :task_attempt_id, v.tid, 'LEASED', :now, :deadline_at
-    FROM a, unnest(CAST(:lease_partitions AS int[]), CAST(:tids AS text[])) AS v(partition, tid)
-    RETURNING *
 ), t AS (
-    UPDATE transactional_ids AS t SET state = 'LEASED', lease_id = l.id
-    FROM l WHERE t.transactional_id = l.transactional_id AND t.state = 'FREE'
+    UPDATE transactional_ids AS t SET state = 'LEASED', lease_id = {FIRST_TRY_ID_BASE} + a.id * {FIRST_TRY_ID_STRIDE} + v.n - 1
+    FROM a, unnest(CAST(:tids AS text[])) WITH ORDINALITY AS v(tid, n)
+    WHERE t.transactional_id = v.tid AND t.state = 'FREE'
+    RETURNING t.id
 )
-SELECT {_cols(attempts, 'a', 'a_')}, l.id AS l_id, l.partition AS l_partition,
-    (SELECT count(*) FROM c) AS checkpoints_updated,
-    clock_timestamp() AS db_now
-FROM a FULL JOIN l ON false ORDER BY l.partition NULLS FIRST
+SELECT {_cols(attempts, 'a', 'a_')}, (SELECT count(*) FROM c) AS checkpoints_updated,
+    (SELECT count(*) FROM t) AS ids_handed_out, clock_timestamp() AS db_now
+FROM a
 """)
 
 
@@ -191,32 +194,30 @@ class NewAttempt(NamedTuple):
 
 def insert_attempt_with_leases(
     conn: Connection, *, sink: Sink, checkpoint_id: int, number: int, generation: int, partitions: int | None,
-    now: datetime, task_attempt_id: int, taken: Sequence[tuple[int, str]], deadline_at: datetime,
+    now: datetime, taken: Sequence[tuple[int, str]], deadline_at: datetime,
 ) -> NewAttempt:
     if taken:
         require_transition(TransactionalIdState.FREE, TransactionalIdState.LEASED)
     tids = [tid for _, tid in taken]
-    rows = _NEW_ATTEMPT.rows(conn, {
+    (row,) = _NEW_ATTEMPT.rows(conn, {
         "checkpoint_id": checkpoint_id, "sink_id": sink.id, "number": number, "generation": generation,
-        "partitions": partitions, "now": now, "task_attempt_id": task_attempt_id,
-        "lease_partitions": int_array(range(len(taken))),
-        "tids": text_array(tids), "deadline_at": deadline_at,
-    }, planned_for_values=_planned_for_values(len(taken)))
-    first = rows[0]
-    if first["checkpoints_updated"] != 1:
-        raise AssertionError("the checkpoint changed under begin's lock")
-    attempt = Attempt.from_mapping(first, "a_")
+        "partitions": partitions, "now": now, "tids": text_array(tids) if tids else None,
+        "deadline_at": deadline_at if tids else None,
+    }, planned_for_values=_planned_for_values(len(tids)))
+    if row["checkpoints_updated"] != 1 or row["ids_handed_out"] != len(tids):
+        raise AssertionError("the checkpoint or a taken id changed under begin's locks")
+    attempt = Attempt.from_mapping(row, "a_")
     new_leases = [
         Lease.from_fields(
-            id=r["l_id"], sink_id=sink.id, checkpoint_id=checkpoint_id, attempt_id=attempt.id, partition=r["l_partition"],
-            task_attempt_id=task_attempt_id, transactional_id=tids[r["l_partition"]], state=LeaseState.LEASED,
-            leased_at=now, deadline_at=deadline_at, producer_id=None, producer_epoch=None, records=None, bytes=None,
-            precommitted_at=None, resolved_at=None, write_ms=None, first_offsets=None,
+            id=first_try_lease_id(attempt.id, partition), sink_id=sink.id, checkpoint_id=checkpoint_id,
+            attempt_id=attempt.id, partition=partition, task_attempt_id=FIRST_TRY_TASK_ATTEMPT,
+            transactional_id=tid, state=LeaseState.LEASED, leased_at=now, deadline_at=deadline_at, producer_id=None,
+            producer_epoch=None, records=None, bytes=None, precommitted_at=None, resolved_at=None, write_ms=None,
+            first_offsets=None,
         )
-        for r in rows if r["l_id"] is not None
+        for partition, tid in enumerate(tids)
     ]
-    # each row reads the clock when it is produced: the latest is after every write
-    return NewAttempt(attempt, new_leases, max(r["db_now"] for r in rows))
+    return NewAttempt(attempt, new_leases, row["db_now"])
 
 
 # --- commit: the decision -----------------------------------------------------------------------
@@ -246,20 +247,32 @@ def commit_head(conn: Connection, name: str, batch_id: int, number: int) -> tupl
     return sink, Checkpoint.from_mapping(row, "c_"), Attempt.from_mapping(row, "a_")
 
 
-# The attempt's leases, locked, and the database's clock read after the locks: the outer SELECT
-# evaluates clock_timestamp() for a row only once the CTE has locked it, so the last row's time
-# is after every lock (the caller takes the latest). Not part of _COMMIT_HEAD's statement: a
-# statement's snapshot is taken before its lock waits, so a retry's lease inserted by the
-# transaction the attempt's lock waited for would be missed (and its transaction left open).
+# The attempt's leases, and the database's clock read after the locks: its lease rows locked (the
+# outer SELECT evaluates clock_timestamp() for a row only once the CTE has locked it, so the last
+# row's time is after every lock; the caller takes the latest), or its first tries still on its
+# row (the caller holds the attempt's lock, which every writer of them takes). Not part of
+# _COMMIT_HEAD's statement: a statement's snapshot is taken before its lock waits, so a retry's
+# lease inserted by the transaction the attempt's lock waited for would be missed (and its
+# transaction left open).
 _LOCK_ATTEMPT_LEASES = DriverStatement(f"""
-WITH l AS (SELECT * FROM leases WHERE attempt_id = :attempt_id ORDER BY id FOR UPDATE)
-SELECT {_names(leases)}, clock_timestamp() AS db_now FROM l ORDER BY id
+WITH l AS (SELECT * FROM lease_rows WHERE attempt_id = :attempt_id ORDER BY id FOR UPDATE)
+SELECT {_names(lease_rows)}, false AS on_row, clock_timestamp() AS db_now FROM l
+UNION ALL
+SELECT {_names(lease_rows)}, true, clock_timestamp() FROM first_try_leases WHERE attempt_id = :attempt_id
+ORDER BY id
 """)
 
 
-def lock_attempt_leases(conn: Connection, attempt_id: int) -> tuple[list[Lease], datetime | None]:
+class AttemptLeases(NamedTuple):
+    leases: list[Lease]
+    on_row: bool  # the first tries are on the attempt's row (and it has no lease row)
+    db_now: datetime | None
+
+
+def lock_attempt_leases(conn: Connection, attempt_id: int) -> AttemptLeases:
     rows = _LOCK_ATTEMPT_LEASES.rows(conn, {"attempt_id": attempt_id})
-    return [Lease.from_mapping(r) for r in rows], max((r["db_now"] for r in rows), default=None)
+    return AttemptLeases([Lease.from_mapping(r) for r in rows], any(r["on_row"] for r in rows),
+                         max((r["db_now"] for r in rows), default=None))
 
 
 # The decision: checkpoint and attempt OPEN -> COMMITTING, the winners whose pre-commit records
@@ -281,7 +294,7 @@ WITH c AS (
     UPDATE attempts SET state = 'COMMITTING', decided_at = :now, partitions = :partitions, job_ms = :job_ms
     WHERE id = :attempt_id AND state = 'OPEN' RETURNING *
 ), w AS (
-    UPDATE leases AS l SET state = 'COMMITTING',
+    UPDATE lease_rows AS l SET state = 'COMMITTING',
         producer_id = CAST(r.doc -> CAST(l.id AS text) ->> 'producer_id' AS bigint),
         producer_epoch = CAST(r.doc -> CAST(l.id AS text) ->> 'producer_epoch' AS int),
         records = CAST(r.doc -> CAST(l.id AS text) ->> 'records' AS bigint),
@@ -301,32 +314,81 @@ FROM c CROSS JOIN a FULL JOIN w ON false ORDER BY w.id NULLS FIRST
 """)
 
 
+# The decision of an attempt whose first tries are on its row and all won with their records
+# (the common path): checkpoint and attempt OPEN -> COMMITTING, the records on the attempt row (by
+# partition: [producer_id, producer_epoch, records, bytes, write_ms, first_offsets]), so its first
+# tries with a record are COMMITTING and the others (empty partitions) ABORTED, whose ids are free
+# again at once (no producer ever used them); and the commit_decided event.
+_DECIDE_FIRST_TRIES = DriverStatement(f"""
+WITH c AS (
+    UPDATE checkpoints SET state = 'COMMITTING', decided_at = :now, committed_attempt = :number
+    WHERE id = :checkpoint_id AND state = 'OPEN' RETURNING *
+), a AS (
+    UPDATE attempts SET state = 'COMMITTING', decided_at = :now, partitions = :partitions, job_ms = :job_ms,
+        first_records = CAST(:records AS jsonb)
+    WHERE id = :attempt_id AND state = 'OPEN' AND first_tids IS NOT NULL RETURNING *
+), t AS (
+    UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = :now, reusable_at = NULL
+    WHERE t.transactional_id = ANY(CAST(:unused_tids AS text[])) AND t.lease_id = ANY(CAST(:unused AS bigint[]))
+    AND t.state = 'LEASED' AND EXISTS (SELECT 1 FROM a)
+), ev AS (
+    INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
+    SELECT :sink_id, :checkpoint_id, :now, 'commit_decided', :actor, CAST(:detail AS jsonb) FROM c, a
+)
+SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')} FROM c CROSS JOIN a
+""")
+
+
 def decide(
     conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, number: int, partitions: int,
     job_ms: int | None, records: Sequence[tuple[Lease, PrecommitRecord]], now: datetime, actor: str,
-    event_detail: dict[str, Any],
+    event_detail: dict[str, Any], first_tries_on_row: Sequence[Lease] | None = None,
 ) -> tuple[Checkpoint, Attempt, list[Lease]]:
     """Returns the decided checkpoint and attempt and the record winners now COMMITTING (by id).
     Each winner's lease must be as the caller read it under its lock (LEASED): the statement
-    changes only the fields the record sets, so the winners are built from those leases."""
+    changes only the fields the record sets, so the winners are built from those leases.
+    `first_tries_on_row`: the attempt's leases when its first tries are on its row and every
+    winner is one of them with its record (the others then end unused, ABORTED)."""
     require_transition(CheckpointState.OPEN, CheckpointState.COMMITTING)
     require_transition(AttemptState.OPEN, AttemptState.COMMITTING)
     if records:
         require_transition(LeaseState.LEASED, LeaseState.COMMITTING)
-    rows = _DECIDE.rows(conn, {
+    params = {
         "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "sink_id": sink_id, "number": number,
         "partitions": partitions, "job_ms": job_ms, "now": now, "actor": actor, "detail": json.dumps(event_detail),
-        "ids": int_array([lease.id for lease, _ in records]),
-        # one JSON document (encoded in C): a text[] of P JSON values costs psycopg a regex escape per quote
-        "records": json.dumps({
-            lease.id: {"producer_id": r.producer_id, "producer_epoch": r.producer_epoch, "records": r.records,
-                       "bytes": r.bytes, "write_ms": r.write_ms, "first_offsets": r.first_offsets}
-            for lease, r in records
-        }),
-    }, planned_for_values=_planned_for_values(len(records)))
-    if not rows or rows[0]["c_id"] is None or rows[0]["a_id"] is None:
-        raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
-    stored = {r["w_id"]: r["w_first_offsets"] for r in rows if r["w_id"] is not None}
+    }
+    if first_tries_on_row is not None:
+        won = {lease.id for lease, _ in records}
+        unused = [x for x in first_tries_on_row if x.id not in won]
+        if unused:
+            require_transition(LeaseState.LEASED, LeaseState.ABORTED)
+            require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
+        rows = _DECIDE_FIRST_TRIES.rows(conn, {
+            **params,
+            "records": json.dumps({
+                lease.partition: [r.producer_id, r.producer_epoch, r.records, r.bytes, r.write_ms, r.first_offsets]
+                for lease, r in records
+            }),
+            "unused": int_array(x.id for x in unused), "unused_tids": text_array(x.transactional_id for x in unused),
+        }, planned_for_values=_planned_for_values(len(first_tries_on_row)))
+        if not rows:
+            raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
+        # stored as JSON, as the lease row's text column would hold it (jsonb's rendering of an array)
+        stored = {lease.id: None if r.first_offsets is None else json.dumps(r.first_offsets) for lease, r in records}
+    else:
+        rows = _DECIDE.rows(conn, {
+            **params,
+            "ids": int_array([lease.id for lease, _ in records]),
+            # one JSON document (encoded in C): a text[] of P JSON values costs psycopg a regex escape per quote
+            "records": json.dumps({
+                lease.id: {"producer_id": r.producer_id, "producer_epoch": r.producer_epoch, "records": r.records,
+                           "bytes": r.bytes, "write_ms": r.write_ms, "first_offsets": r.first_offsets}
+                for lease, r in records
+            }),
+        }, planned_for_values=_planned_for_values(len(records)))
+        if not rows or rows[0]["c_id"] is None or rows[0]["a_id"] is None:
+            raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
+        stored = {r["w_id"]: r["w_first_offsets"] for r in rows if r["w_id"] is not None}
     winners = [
         lease.with_changes(
             state=LeaseState.COMMITTING, producer_id=r.producer_id, producer_epoch=r.producer_epoch, records=r.records,
@@ -365,28 +427,32 @@ def lock_checkpoint_for_mark(conn: Connection, checkpoint_id: int) -> tuple[Chec
 # caller found the checkpoint COMMITTING under its lock (`:finish`), the attempt and checkpoint
 # COMMITTING -> COMMITTED in the same statement if no other winner of the attempt is still
 # COMMITTING. That guard restates the service's rule (it judges from the answer, and checks the
-# statement agreed) so the mark costs no round trip of its own. With `:event_actor`, the mark also
-# records a checkpoint_committed event. The answer is the marked checkpoint and attempt's row (if
-# marked), then the id of each winner this statement marked, then every other lease of the
-# checkpoint as it is (FULL JOIN ON false). The ids are found by the two sets, not joined pair by
-# pair: a join's plan trusts the statistics of `state = 'LEASED'` (almost no row, after an ANALYZE),
-# and with 40,000 ids of other sinks it scanned them all and re-read the pairs once per id (a
-# 200-partition mark: 17.7 ms, against 6.7 now). The sets match the pairs: each done lease names
-# its id, and that id, held for an unresolved lease, cannot have been freed and leased to another.
+# statement agreed) so the mark costs no round trip of its own. Winners that are first tries on
+# the attempt's row are COMMITTED by the attempt's own mark (they are all of its winners: any
+# other kind of commit materialised them first), and their ids are freed only with it. With
+# `:event_actor`, the mark also records a checkpoint_committed event. The answer is the marked
+# checkpoint and attempt's row (if marked), then the id of each lease row this statement marked,
+# then every other lease of the checkpoint as the statement's snapshot shows it (FULL JOIN ON
+# false; a first try marked here still COMMITTING). The ids are found by the two sets, not joined
+# pair by pair: a join's plan trusts the statistics of `state = 'LEASED'` (almost no row, after an
+# ANALYZE), and with 40,000 ids of other sinks it scanned them all and re-read the pairs once per
+# id (a 200-partition mark: 17.7 ms, against 6.7 then). The sets match the pairs: each done lease
+# names its id, and that id, held for an unresolved lease, cannot have been freed and leased to
+# another.
 _MARK_COMMITTED = DriverStatement(f"""
 WITH u AS (
-    UPDATE leases SET state = 'COMMITTED', resolved_at = :now
+    UPDATE lease_rows SET state = 'COMMITTED', resolved_at = :now
     WHERE id = ANY(CAST(:done AS bigint[])) AND state = 'COMMITTING' RETURNING *
-), t AS (
-    UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = :now, reusable_at = NULL
-    WHERE t.transactional_id = ANY(CAST(:done_ids AS text[])) AND t.lease_id = ANY(CAST(:done AS bigint[]))
-    AND t.state = 'LEASED'
 ), a AS (
     UPDATE attempts SET state = 'COMMITTED', finished_at = :now
     WHERE id = :attempt_id AND state = 'COMMITTING' AND CAST(:finish AS boolean)
     AND NOT EXISTS (SELECT 1 FROM leases WHERE attempt_id = :attempt_id AND state = 'COMMITTING'
                     AND id <> ALL(CAST(:done AS bigint[])))
     RETURNING *
+), t AS (
+    UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = :now, reusable_at = NULL
+    WHERE t.transactional_id = ANY(CAST(:done_ids AS text[])) AND t.lease_id = ANY(CAST(:done AS bigint[]))
+    AND t.state = 'LEASED' AND (t.lease_id IN (SELECT id FROM u) OR EXISTS (SELECT 1 FROM a))
 ), c AS (
     UPDATE checkpoints SET state = 'COMMITTED', committed_at = :now
     WHERE id = :checkpoint_id AND state = 'COMMITTING' AND EXISTS (SELECT 1 FROM a)
@@ -434,9 +500,13 @@ def mark_committed(
     if rows and rows[0]["c_id"] is not None:
         marked = Checkpoint.from_mapping(rows[0], "c_"), Attempt.from_mapping(rows[0], "a_")
     by_id = {x.id: x for x in done}
-    after = [
-        by_id[r["u_id"]].with_changes(state=LeaseState.COMMITTED, resolved_at=now) if r["u_id"] is not None
-        else Lease.from_mapping(r, "x_")
-        for r in rows if r["u_id"] is not None or r["x_id"] is not None
-    ]
+    after = []
+    for r in rows:
+        if r["u_id"] is not None:
+            after.append(by_id[r["u_id"]].with_changes(state=LeaseState.COMMITTED, resolved_at=now))
+        elif r["x_id"] is not None:
+            lease = Lease.from_mapping(r, "x_")
+            if marked is not None and lease.id in by_id and lease.state is LeaseState.COMMITTING:
+                lease = lease.with_changes(state=LeaseState.COMMITTED, resolved_at=now)  # a first try on the row
+            after.append(lease)
     return MarkedCommitted(after, marked)

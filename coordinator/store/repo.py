@@ -3,6 +3,11 @@
 Lock order, to keep concurrent calls free of deadlocks: sink -> checkpoint -> attempt -> lease ->
 transactional id. Every state change goes through `cas`, which checks the move against the state
 machine and updates only rows still in the expected old state.
+
+Leases are read through the views `leases` and `unresolved_leases` and written in `lease_rows`:
+a batch's first tries live on their attempt row until `materialize_first_tries` copies them into
+lease_rows, which every writer of a lease (other than the common path's statements in hot_path)
+calls first.
 """
 
 from __future__ import annotations
@@ -40,7 +45,17 @@ from ..protocol.invariants import Snapshot
 from ..protocol.model import Alert, Attempt, Checkpoint, Lease, Sink, TransactionalId
 from ..protocol.states import TransactionalIdState, require_transition
 from .driver_sql import DriverStatement
-from .tables import attempts, checkpoints, events, leases, sinks, transactional_ids
+from .tables import (
+    attempt_of_first_try_id,
+    attempts,
+    checkpoints,
+    events,
+    lease_rows,
+    leases,
+    sinks,
+    transactional_ids,
+    unresolved_leases,
+)
 
 
 def cas(
@@ -220,59 +235,97 @@ def attempts_of_checkpoint(conn: Connection, checkpoint_id: int) -> list[Attempt
     return [as_attempt(r) for r in rows]
 
 
-def lease_in(*states: st.LeaseState) -> ColumnElement[bool]:
-    """`state IN (states)`; for unresolved states also `resolved_at IS NULL` (the same rows, by
-    the CHECK ck_leases_resolved), which lets the planner use the partial index ix_leases_unresolved."""
-    in_states = leases.c.state.in_(sorted(s.value for s in states))
-    if set(states) <= st.UNRESOLVED_LEASE_STATES:
-        return and_(leases.c.resolved_at.is_(None), in_states)
-    return in_states
+def unresolved_in(*states: st.LeaseState) -> ColumnElement[bool]:
+    """`state IN (states)` on the view unresolved_leases (states that may hold an open transaction)."""
+    if not set(states) <= st.UNRESOLVED_LEASE_STATES:
+        raise ValueError(f"not unresolved lease states: {sorted(set(states) - st.UNRESOLVED_LEASE_STATES)}")
+    return unresolved_leases.c.state.in_(sorted(s.value for s in states))
 
 
-def leases_where(conn: Connection, *conditions: Any, lock: bool = False) -> list[Lease]:
-    stmt = select(leases).where(*conditions).order_by(leases.c.id)
+def leases_where(conn: Connection, *conditions: Any, source: Table = leases, lock: bool = False) -> list[Lease]:
+    """Leases by id from `source`: the view leases (filter by attempt or checkpoint), the view
+    unresolved_leases (with unresolved_in), or lease_rows (to lock them, after materialising)."""
+    stmt = select(source).where(*conditions).order_by(source.c.id)
     if lock:
+        if source is not lease_rows:
+            raise ValueError("only lease rows can be locked: materialise the first tries, then lock lease_rows")
         stmt = stmt.with_for_update()
     return [as_lease(r) for r in conn.execute(stmt)]
 
 
-@cache
-def _lease_by_id_stmt(lock: bool) -> Select:
-    stmt = (
-        select(leases)
-        .where(leases.c.id == bindparam("lease_id"), leases.c.sink_id == bindparam("sink_id"))
-        .order_by(leases.c.id)
-    )
-    return stmt.with_for_update() if lock else stmt
+def _by_lease_id(lease_id: int) -> tuple[Table, list[ColumnElement[bool]]]:
+    """Where a lease of this id is found without a scan: a lease row's id in lease_rows; a first
+    try's id in the view leases, narrowed to the attempt the id names."""
+    attempt_id = attempt_of_first_try_id(lease_id)
+    if attempt_id is None:
+        return lease_rows, [lease_rows.c.id == lease_id]
+    return leases, [leases.c.attempt_id == attempt_id, leases.c.id == lease_id]
 
 
 def lease_by_id(conn: Connection, sink: Sink, lease_id: int, lock: bool = False) -> Lease:
-    params = {"lease_id": lease_id, "sink_id": sink.id}
-    found = [as_lease(r) for r in conn.execute(_lease_by_id_stmt(bool(lock)), params)]
+    """The lease; `lock` locks its row (the caller materialised its attempt's first tries)."""
+    source, where = (lease_rows, [lease_rows.c.id == lease_id]) if lock else _by_lease_id(lease_id)
+    found = leases_where(conn, *where, source.c.sink_id == sink.id, source=source, lock=lock)
     if not found:
         raise e.NotFound("unknown_lease", f"sink {sink.name!r} has no lease {lease_id}", lease_id=lease_id)
     return found[0]
 
 
-@cache
-def _attempt_of_lease_stmt(lock: str | None) -> Select:
-    attempt_id = (
-        select(leases.c.attempt_id)
-        .where(leases.c.id == bindparam("lease_id"), leases.c.sink_id == bindparam("sink_id"))
-        .scalar_subquery()
-    )
+def attempt_of_lease(conn: Connection, sink: Sink, lease_id: int, lock: str | None = None) -> Attempt:
+    """The attempt a lease of the sink belongs to, in one statement (the lease row is not locked)."""
+    source, where = _by_lease_id(lease_id)
+    attempt_id = select(source.c.attempt_id).where(*where, source.c.sink_id == sink.id).scalar_subquery()
     stmt = select(attempts).where(attempts.c.id == attempt_id)
     if lock == "key_share":
         stmt = stmt.with_for_update(read=True, key_share=True, of=attempts)  # not the lease row
-    return stmt
-
-
-def attempt_of_lease(conn: Connection, sink: Sink, lease_id: int, lock: str | None = None) -> Attempt:
-    """The attempt a lease of the sink belongs to, in one statement (the lease row is not locked)."""
-    row = conn.execute(_attempt_of_lease_stmt(lock), {"lease_id": lease_id, "sink_id": sink.id}).first()
+    row = conn.execute(stmt).first()
     if row is None:
         raise e.NotFound("unknown_lease", f"sink {sink.name!r} has no lease {lease_id}", lease_id=lease_id)
     return as_attempt(row)
+
+
+# The attempts among these whose first tries are still on their row, locked (FOR NO KEY UPDATE:
+# it waits for a decision or a mark of the attempt in progress, but not for a KEY SHARE lock, which
+# a retry's lease holds while it materialises).
+_LOCK_FIRST_TRIES = text(
+    "SELECT id FROM attempts WHERE id = ANY(CAST(:ids AS bigint[])) AND first_tids IS NOT NULL "
+    "ORDER BY id FOR NO KEY UPDATE"
+)
+
+# A statement of its own, after the lock: its snapshot then shows the attempt as its last writer
+# left it (a statement's snapshot is taken before its lock waits).
+_MATERIALIZE = text(f"""
+WITH copied AS (
+    INSERT INTO lease_rows ({", ".join(c.name for c in lease_rows.c)})
+    SELECT {", ".join(c.name for c in lease_rows.c)} FROM first_try_leases WHERE attempt_id = ANY(CAST(:ids AS bigint[]))
+)
+UPDATE attempts SET first_tids = NULL, first_deadline_at = NULL, first_records = NULL
+WHERE id = ANY(CAST(:ids AS bigint[]))
+""")
+
+
+def first_tries_in_two_places(conn: Connection, sink_id: int) -> list[int]:
+    """Attempts of the sink with first tries on their row and lease rows too (the simulation's
+    storage check: materialize_first_tries must move them, never copy them)."""
+    return list(conn.execute(
+        select(attempts.c.id).where(
+            attempts.c.sink_id == sink_id, attempts.c.first_tids.is_not(None),
+            select(lease_rows.c.id).where(lease_rows.c.attempt_id == attempts.c.id).exists(),
+        ).order_by(attempts.c.id)
+    ).scalars())
+
+
+def materialize_first_tries(conn: Connection, attempt_ids: Iterable[int]) -> None:
+    """Copy the first tries still on these attempts' rows into lease_rows (same ids, same fields)
+    and clear them from the rows, in the caller's transaction. Every change to a lease other than
+    the common path's (begin, the decision with every winner a first try with its record, the
+    committed mark of all winners) calls this first, for the leases' attempts."""
+    ids = sorted(set(attempt_ids))
+    if not ids:
+        return
+    locked = conn.execute(_LOCK_FIRST_TRIES, {"ids": ids}).scalars().all()
+    if locked:
+        conn.execute(_MATERIALIZE, {"ids": list(locked)})
 
 
 # --- the transactional id pool ---------------------------------------------------------------
@@ -378,7 +431,7 @@ def release_transactional_ids(
 _RELEASE_IDS = text(
     "UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = :released_at, "
     "reusable_at = CAST(:reusable_at AS timestamptz) "
-    "FROM leases AS l WHERE l.id = ANY(CAST(:released_lease_ids AS bigint[])) "
+    "FROM lease_rows AS l WHERE l.id = ANY(CAST(:released_lease_ids AS bigint[])) "
     "AND t.transactional_id = l.transactional_id AND t.lease_id = l.id AND t.state = 'LEASED'"
 )
 

@@ -19,7 +19,7 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 metadata = MetaData(
     naming_convention={
@@ -109,10 +109,20 @@ attempts = Table(
     Column("finished_at", TS, nullable=True),
     Column("abort_reason", String(200), nullable=True),
     Column("job_ms", BigInteger, nullable=True),
+    # The first tries of the common path, kept on this row instead of as lease rows (migration
+    # 0012): their transactional ids (the i-th for partition i), their deadline, and the decision's
+    # records by partition. The view first_try_leases shows them as leases; any other change to one
+    # first copies them into lease_rows (repo.materialize_first_tries) and clears these columns.
+    Column("first_tids", ARRAY(String(255)), nullable=True),
+    Column("first_deadline_at", TS, nullable=True),
+    Column("first_records", JSONB, nullable=True),
     UniqueConstraint("checkpoint_id", "number"),
     # the key of leases' one foreign key (migration 0010)
     UniqueConstraint("id", "checkpoint_id", "sink_id"),
     _states("OPEN", "COMMITTING", "COMMITTED", "ABORTED", "LOST"),
+    # first tries stay on the row only on the common path: an attempt that ends otherwise was
+    # materialised first
+    CheckConstraint("first_tids IS NULL OR state IN ('OPEN', 'COMMITTING', 'COMMITTED')", name="first_tries"),
     # "every open attempt of this sink" at begin checkpoint and generation start: queries add
     # `finished_at IS NULL` (OPEN or COMMITTING) to `state = 'OPEN'`; no index covers `state`, so
     # the decision (OPEN -> COMMITTING) is a HOT update (migration 0007; fillfactor 80 there too)
@@ -143,8 +153,11 @@ transactional_ids = Table(
     Index("ix_transactional_ids_free_lru", "sink_id", "released_at", "ordinal"),
 )
 
-leases = Table(
-    "leases",
+# Leases written as rows: a retry's or a speculative copy's, and a batch's first tries once anything
+# but the common path happened to them. Read through the views below, which add the first tries
+# still on their attempt rows; write here (after repo.materialize_first_tries).
+lease_rows = Table(
+    "lease_rows",
     metadata,
     Column("id", BigInteger, primary_key=True),
     Column("sink_id", BigInteger, nullable=False),
@@ -175,10 +188,10 @@ leases = Table(
     # resolved_at is set exactly when a lease reaches an end state (migration 0008)
     CheckConstraint("(state IN ('COMMITTED', 'ABORTED', 'LOST')) = (resolved_at IS NOT NULL)", name="resolved"),
     Index(None, "checkpoint_id"),
-    # transactions that may be open on the broker: the recovery loop, scale-down, the dashboard.
-    # Queries add `resolved_at IS NULL` to their `state IN (...)` (repo.lease_in); no index covers
-    # `state`, so a change between unresolved states (the decision among them) is a HOT update.
-    Index("ix_leases_unresolved", "sink_id", postgresql_where=text("resolved_at IS NULL")),
+    # transactions that may be open on the broker: the recovery loop, scale-down, the dashboard,
+    # through the view unresolved_leases (`resolved_at IS NULL`); no index covers `state`, so a
+    # change between unresolved states (the decision among them) is a HOT update.
+    Index("ix_lease_rows_unresolved", "sink_id", postgresql_where=text("resolved_at IS NULL")),
 )
 
 events = Table(
@@ -207,3 +220,37 @@ recovery_leader = Table(
     Column("acquired_at", TS, nullable=True),
     Column("expires_at", TS, nullable=False),
 )
+
+
+# --- views (migration 0012): read-only, not part of `metadata` (Alembic compares tables only) ---
+
+views = MetaData()
+
+# A first try's lease id while it lives on its attempt row: 2^50 + attempt id x 2^17 + partition
+# (at most 100,000 partitions), so a read by lease id finds its attempt without a scan. Ids of
+# lease rows come from their sequence, far below.
+FIRST_TRY_ID_BASE = 1 << 50
+FIRST_TRY_ID_STRIDE = 1 << 17
+
+
+def first_try_lease_id(attempt_id: int, partition: int) -> int:
+    return FIRST_TRY_ID_BASE + attempt_id * FIRST_TRY_ID_STRIDE + partition
+
+
+def attempt_of_first_try_id(lease_id: int) -> int | None:
+    """The attempt a first try's lease id names, or None for a lease row's id."""
+    return (lease_id - FIRST_TRY_ID_BASE) // FIRST_TRY_ID_STRIDE if lease_id >= FIRST_TRY_ID_BASE else None
+
+
+def _lease_view(name: str) -> Table:
+    return Table(name, views, *(Column(c.name, c.type, primary_key=c.primary_key) for c in lease_rows.c))
+
+
+# Every lease: lease_rows and the first tries still on attempt rows. Filter by attempt or
+# checkpoint (both sides use an index); by id, see repo (a lease row's id reads lease_rows).
+leases = _lease_view("leases")
+
+# Leases that may hold an open transaction: unresolved lease rows and the unresolved first tries of
+# unfinished attempts (ix_lease_rows_unresolved, ix_attempts_open). The recovery loop, scale-down
+# and the dashboard read these.
+unresolved_leases = _lease_view("unresolved_leases")

@@ -87,8 +87,8 @@ def seed_history(url: str, tag: str, checkpoints: int, partitions: int = 4, ids:
             "decided_at, finished_at, job_ms, first_tids, first_deadline_at, first_records) "
             "SELECT id, sink_id, 1, 1, 'COMMITTED', %(p)s, now(), now(), now(), 5, "
             "ARRAY(SELECT %(prefix)s || p FROM generate_series(0, %(p)s - 1) p), now(), "
-            "(SELECT jsonb_object_agg(p, jsonb_build_array(1000 + p, 0, 100, 10000, 5, '[[\"history\", 0, 0]]'::jsonb)) "
-            " FROM generate_series(0, %(p)s - 1) p) "
+            "(SELECT jsonb_agg(jsonb_build_array(1000 + p, 0, 100, 10000, 5, '[[\"history\", 0, 0]]'::jsonb) "
+            " ORDER BY p) FROM generate_series(0, %(p)s - 1) p) "
             "FROM checkpoints WHERE sink_id = %(sink)s",
             {"p": partitions, "prefix": name + ".", "sink": sink_id})
         # ... and one batch in ten whose first tries became lease rows (a retry, an abort)

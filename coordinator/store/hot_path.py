@@ -315,8 +315,9 @@ FROM c CROSS JOIN a FULL JOIN w ON false ORDER BY w.id NULLS FIRST
 
 
 # The decision of an attempt whose first tries are on its row and all won with their records
-# (the common path): checkpoint and attempt OPEN -> COMMITTING, the records on the attempt row (by
-# partition: [producer_id, producer_epoch, records, bytes, write_ms, first_offsets]), so its first
+# (the common path): checkpoint and attempt OPEN -> COMMITTING, the records on the attempt row (an
+# array by partition, null for an empty one: [producer_id, producer_epoch, records, bytes, write_ms,
+# first_offsets]), so its first
 # tries with a record are COMMITTING and the others (empty partitions) ABORTED, whose ids are free
 # again at once (no producer ever used them); and the commit_decided event.
 _DECIDE_FIRST_TRIES = DriverStatement(f"""
@@ -363,12 +364,13 @@ def decide(
         if unused:
             require_transition(LeaseState.LEASED, LeaseState.ABORTED)
             require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
+        by_partition: list[list[Any] | None] = [None] * len(first_tries_on_row)
+        for lease, r in records:
+            by_partition[lease.partition] = [r.producer_id, r.producer_epoch, r.records, r.bytes, r.write_ms,
+                                             r.first_offsets]
         rows = _DECIDE_FIRST_TRIES.rows(conn, {
             **params,
-            "records": json.dumps({
-                lease.partition: [r.producer_id, r.producer_epoch, r.records, r.bytes, r.write_ms, r.first_offsets]
-                for lease, r in records
-            }),
+            "records": json.dumps(by_partition),
             "unused": int_array(x.id for x in unused), "unused_tids": text_array(x.transactional_id for x in unused),
         }, planned_for_values=_planned_for_values(len(first_tries_on_row)))
         if not rows:

@@ -7,8 +7,8 @@ attempt row holds them until something unusual happens to one of them:
 - `attempts.first_tids`: the first tries' transactional ids, the i-th for partition i (NULL once
   the first tries are lease rows, or when the attempt had none);
 - `attempts.first_deadline_at`: their transactions' deadline (all were leased at `started_at`);
-- `attempts.first_records`: the decision's pre-commit records, by partition, each
-  [producer_id, producer_epoch, records, bytes, write_ms, first_offsets].
+- `attempts.first_records`: the decision's pre-commit records, a JSON array by partition (null
+  for an empty one), each [producer_id, producer_epoch, records, bytes, write_ms, first_offsets].
 
 The view `first_try_leases` shows them as leases, derived from the attempt: LEASED while it is
 OPEN; once decided, a partition with a record is COMMITTING then COMMITTED with its attempt, one
@@ -60,10 +60,14 @@ SELECT 1125899906842624 + a.id * 131072 + (f.n - 1) AS id,
     CAST(r.rec ->> 4 AS bigint) AS write_ms, r.rec ->> 5 AS first_offsets,
     a.finished_at AS attempt_finished_at
 FROM attempts AS a
-CROSS JOIN LATERAL unnest(a.first_tids) WITH ORDINALITY AS f(tid, n)
-CROSS JOIN LATERAL (SELECT a.first_records -> CAST(f.n - 1 AS text) AS rec) AS r
+CROSS JOIN LATERAL ROWS FROM (unnest(a.first_tids), jsonb_array_elements(a.first_records))
+    WITH ORDINALITY AS f(tid, rec, n)
+CROSS JOIN LATERAL (SELECT NULLIF(f.rec, 'null') AS rec) AS r
 WHERE a.first_tids IS NOT NULL
 """
+# ROWS FROM walks the ids and the records side by side, each array read once: a 200-partition
+# batch's records are TOASTed, and a lookup per partition (first_records -> partition) read them
+# again for every field of every partition (3,600 buffers and ~15 ms to list one attempt's leases).
 
 
 def upgrade() -> None:

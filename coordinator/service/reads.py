@@ -11,7 +11,7 @@ from ..protocol.invariants import Snapshot
 from ..protocol.model import Checkpoint, Lease, Sink
 from ..protocol.states import UNRESOLVED_LEASE_STATES, CheckpointState
 from ..store import repo
-from ..store.tables import attempts, checkpoints, events, leases, sinks, transactional_ids, unresolved_leases
+from ..store.tables import attempt_columns, attempts, checkpoints, events, leases, sinks, transactional_ids, unresolved_leases
 from .base import CoordinatorBase
 from .results import CheckpointDetail, PoolUsage, SinkOverview
 
@@ -94,7 +94,7 @@ class Reads(CoordinatorBase):
             )]
             ids = [c.id for c in cps]
             cp_attempts = [repo.as_attempt(r) for r in conn.execute(
-                select(attempts).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
+                select(*attempt_columns).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
             )] if ids else []
             cp_leases = repo.leases_where(conn, leases.c.checkpoint_id.in_(ids)) if ids else []
         return [
@@ -128,7 +128,7 @@ class Reads(CoordinatorBase):
             )}
             ids = [c.id for c in cps]
             cp_attempts = [repo.as_attempt(r) for r in conn.execute(
-                select(attempts).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
+                select(*attempt_columns).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
             )] if ids else []
             unresolved = repo.leases_where(conn, repo.unresolved_in(*UNRESOLVED_LEASE_STATES), source=unresolved_leases)
         return [

@@ -21,11 +21,11 @@ the function that runs it.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Table
+from sqlalchemy import Column, Connection, Table
 
 from ..protocol.model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PrecommitRecord, Sink
 from ..protocol.states import (
@@ -36,7 +36,7 @@ from ..protocol.states import (
     require_transition,
 )
 from .driver_sql import DriverStatement, int_array, text_array
-from .tables import FIRST_TRY_ID_BASE, FIRST_TRY_ID_STRIDE, attempts, checkpoints, first_try_lease_id, lease_rows, leases, sinks
+from .tables import FIRST_TRY_ID_BASE, FIRST_TRY_ID_STRIDE, attempt_columns, checkpoints, first_try_lease_id, lease_rows, leases, sinks
 
 
 # Above this many rows in its arrays, a statement is planned for its values (DriverStatement.rows):
@@ -48,8 +48,8 @@ def _planned_for_values(rows: int) -> bool:
     return rows > GENERIC_PLAN_MAX_ROWS
 
 
-def _cols(table: Table, alias: str, prefix: str) -> str:
-    return ", ".join(f"{alias}.{c.name} AS {prefix}{c.name}" for c in table.c)
+def _cols(columns: Table | Iterable[Column[Any]], alias: str, prefix: str) -> str:
+    return ", ".join(f"{alias}.{c.name} AS {prefix}{c.name}" for c in (columns.c if isinstance(columns, Table) else columns))
 
 
 def _names(table: Table) -> str:
@@ -94,7 +94,7 @@ FROM s LEFT JOIN c ON true
 # them), decided commits of other batches still finishing, and the checkpoint's aborted or
 # aborting leases.
 _BEGIN_READS = DriverStatement(f"""
-SELECT {_cols(attempts, 'a', 'a_')},
+SELECT {_cols(attempt_columns, 'a', 'a_')},
     (SELECT array_agg(o.id ORDER BY o.id) FROM attempts AS o
      WHERE o.sink_id = :sink_id AND o.state = 'OPEN' AND o.finished_at IS NULL) AS open_attempt_ids,
     (SELECT array_agg(u.id ORDER BY u.id) FROM checkpoints AS u
@@ -180,7 +180,7 @@ WITH a AS (
     WHERE t.transactional_id = v.tid AND t.state = 'FREE'
     RETURNING t.id
 )
-SELECT {_cols(attempts, 'a', 'a_')}, (SELECT count(*) FROM c) AS checkpoints_updated,
+SELECT {_cols(attempt_columns, 'a', 'a_')}, (SELECT count(*) FROM c) AS checkpoints_updated,
     (SELECT count(*) FROM t) AS ids_handed_out, clock_timestamp() AS db_now
 FROM a
 """)
@@ -226,7 +226,7 @@ def insert_attempt_with_leases(
 # The sink (FOR SHARE), the checkpoint and the attempt (FOR UPDATE) of a commit, locked in that
 # order (the lock order of repo's docstring: LockRows takes them in the order named here).
 _COMMIT_HEAD = DriverStatement(f"""
-SELECT {_cols(sinks, 's', 's_')}, {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')}
+SELECT {_cols(sinks, 's', 's_')}, {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')}
 FROM sinks AS s
 JOIN checkpoints AS c ON c.sink_id = s.id AND c.query_id = s.lineage_query_id AND c.batch_id = :batch_id
 JOIN attempts AS a ON a.checkpoint_id = c.id AND a.number = :number
@@ -309,7 +309,7 @@ WITH c AS (
     INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
     SELECT :sink_id, :checkpoint_id, :now, 'commit_decided', :actor, CAST(:detail AS jsonb) FROM c, a
 )
-SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')}, w.id AS w_id, w.first_offsets AS w_first_offsets
+SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')}, w.id AS w_id, w.first_offsets AS w_first_offsets
 FROM c CROSS JOIN a FULL JOIN w ON false ORDER BY w.id NULLS FIRST
 """)
 
@@ -336,7 +336,7 @@ WITH c AS (
     INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
     SELECT :sink_id, :checkpoint_id, :now, 'commit_decided', :actor, CAST(:detail AS jsonb) FROM c, a
 )
-SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')} FROM c CROSS JOIN a
+SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')} FROM c CROSS JOIN a
 """)
 
 
@@ -435,7 +435,7 @@ def lock_checkpoint_for_mark(conn: Connection, checkpoint_id: int) -> tuple[Chec
 # `:event_actor`, the mark also records a checkpoint_committed event. The answer is the marked
 # checkpoint and attempt's row (if marked), then the id of each lease row this statement marked,
 # then every other lease of the checkpoint as the statement's snapshot shows it (FULL JOIN ON
-# false; a first try marked here still COMMITTING). The ids are found by the two sets, not joined
+# false; not the first tries on the row this marked, which the caller holds). The ids are found by the two sets, not joined
 # pair by pair: a join's plan trusts the statistics of `state = 'LEASED'` (almost no row, after an
 # ANALYZE), and with 40,000 ids of other sinks it scanned them all and re-read the pairs once per
 # id (a 200-partition mark: 17.7 ms, against 6.7 then). The sets match the pairs: each done lease
@@ -466,8 +466,10 @@ WITH u AS (
     WHERE CAST(:event_actor AS text) IS NOT NULL
 ), x AS (
     SELECT * FROM leases WHERE checkpoint_id = :checkpoint_id AND id NOT IN (SELECT id FROM u)
+    AND NOT (attempt_id = :attempt_id AND id = ANY(CAST(:done AS bigint[]))
+             AND EXISTS (SELECT 1 FROM a WHERE a.first_tids IS NOT NULL))
 )
-SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempts, 'a', 'a_')}, u.id AS u_id, {_cols(leases, 'x', 'x_')}
+SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')}, u.id AS u_id, {_cols(leases, 'x', 'x_')}
 FROM (c CROSS JOIN a) FULL JOIN (SELECT id FROM u) AS u ON false FULL JOIN x ON false
 ORDER BY COALESCE(u.id, x.id) NULLS FIRST
 """)
@@ -502,13 +504,14 @@ def mark_committed(
     if rows and rows[0]["c_id"] is not None:
         marked = Checkpoint.from_mapping(rows[0], "c_"), Attempt.from_mapping(rows[0], "a_")
     by_id = {x.id: x for x in done}
-    after = []
-    for r in rows:
-        if r["u_id"] is not None:
-            after.append(by_id[r["u_id"]].with_changes(state=LeaseState.COMMITTED, resolved_at=now))
-        elif r["x_id"] is not None:
-            lease = Lease.from_mapping(r, "x_")
-            if marked is not None and lease.id in by_id and lease.state is LeaseState.COMMITTING:
-                lease = lease.with_changes(state=LeaseState.COMMITTED, resolved_at=now)  # a first try on the row
-            after.append(lease)
+    after = [
+        by_id[r["u_id"]].with_changes(state=LeaseState.COMMITTED, resolved_at=now) if r["u_id"] is not None
+        else Lease.from_mapping(r, "x_")
+        for r in rows if r["u_id"] is not None or r["x_id"] is not None
+    ]
+    if marked is not None:  # the first tries on the attempt's row were committed with it
+        answered = {x.id for x in after}
+        on_row = [x.with_changes(state=LeaseState.COMMITTED, resolved_at=now) for x in done if x.id not in answered]
+        if on_row:
+            after = sorted(after + on_row, key=lambda x: x.id)
     return MarkedCommitted(after, marked)

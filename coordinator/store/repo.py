@@ -46,6 +46,7 @@ from ..protocol.model import Alert, Attempt, Checkpoint, Lease, Sink, Transactio
 from ..protocol.states import TransactionalIdState, require_transition
 from .driver_sql import DriverStatement
 from .tables import (
+    attempt_columns,
     attempt_of_first_try_id,
     attempts,
     checkpoints,
@@ -201,7 +202,7 @@ def checkpoint_for(
 
 @cache
 def _attempt_of_stmt(lock: str | None) -> Select:
-    stmt = select(attempts).where(
+    stmt = select(*attempt_columns).where(
         attempts.c.checkpoint_id == bindparam("checkpoint_id"), attempts.c.number == bindparam("number")
     )
     if lock == "update":
@@ -220,7 +221,7 @@ def attempt_of(conn: Connection, checkpoint_id: int, number: int, lock: str | No
 
 @cache
 def _attempt_by_id_stmt(lock: str | None) -> Select:
-    stmt = select(attempts).where(attempts.c.id == bindparam("attempt_id"))
+    stmt = select(*attempt_columns).where(attempts.c.id == bindparam("attempt_id"))
     if lock == "key_share":
         stmt = stmt.with_for_update(read=True, key_share=True)
     return stmt
@@ -231,7 +232,7 @@ def attempt_by_id(conn: Connection, attempt_id: int, lock: str | None = None) ->
 
 
 def attempts_of_checkpoint(conn: Connection, checkpoint_id: int) -> list[Attempt]:
-    rows = conn.execute(select(attempts).where(attempts.c.checkpoint_id == checkpoint_id).order_by(attempts.c.number))
+    rows = conn.execute(select(*attempt_columns).where(attempts.c.checkpoint_id == checkpoint_id).order_by(attempts.c.number))
     return [as_attempt(r) for r in rows]
 
 
@@ -275,7 +276,7 @@ def attempt_of_lease(conn: Connection, sink: Sink, lease_id: int, lock: str | No
     """The attempt a lease of the sink belongs to, in one statement (the lease row is not locked)."""
     source, where = _by_lease_id(lease_id)
     attempt_id = select(source.c.attempt_id).where(*where, source.c.sink_id == sink.id).scalar_subquery()
-    stmt = select(attempts).where(attempts.c.id == attempt_id)
+    stmt = select(*attempt_columns).where(attempts.c.id == attempt_id)
     if lock == "key_share":
         stmt = stmt.with_for_update(read=True, key_share=True, of=attempts)  # not the lease row
     row = conn.execute(stmt).first()
@@ -443,7 +444,7 @@ def snapshot(conn: Connection) -> Snapshot:
     return Snapshot(
         sinks=[_as_sink(r) for r in conn.execute(select(sinks).order_by(sinks.c.id))],
         checkpoints=[as_checkpoint(r) for r in conn.execute(select(checkpoints).order_by(checkpoints.c.id))],
-        attempts=[as_attempt(r) for r in conn.execute(select(attempts).order_by(attempts.c.id))],
+        attempts=[as_attempt(r) for r in conn.execute(select(*attempt_columns).order_by(attempts.c.id))],
         leases=[as_lease(r) for r in conn.execute(select(leases).order_by(leases.c.id))],
         transactional_ids=[
             as_transactional_id(r) for r in conn.execute(select(transactional_ids).order_by(transactional_ids.c.id))

@@ -131,6 +131,10 @@ attempts = Table(
     Index("ix_attempts_aborted", "sink_id", postgresql_where=text("abort_reason IS NOT NULL")),
 )
 
+# What an Attempt record holds: every column but the first tries', which are read through the
+# views (a 200-partition batch's records are ~30 KB of JSON to parse for nothing).
+attempt_columns = tuple(c for c in attempts.c if not c.name.startswith("first_"))
+
 transactional_ids = Table(
     "transactional_ids",
     metadata,

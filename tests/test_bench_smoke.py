@@ -212,3 +212,22 @@ def test_end_txn_bench_commits_in_parallel_and_checks_what_read_committed_sees()
     assert "read_committed sees 6 records of 6 committed transactions (ok)" in out.stdout, out.stdout
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["2"], ["4"])}
     assert set(rows) == {"2", "4"} and all(r[2] == "ms" and int(r[1]) >= 0 for r in rows.values()), out.stdout
+
+
+def test_compare_checkouts_runs_both_sides_and_leaves_nothing_behind(database_url: str) -> None:
+    """Against itself (base HEAD): each side migrated and seeded by its own code, a line per shape
+    with both sides' figures, and afterwards no database and no worktree of the run."""
+    cmd = [sys.executable, str(BENCH / "compare_checkouts.py"), "--base", "HEAD", "--database-url", database_url,
+           "--shape", "2:2", "--shape", "3:1", "--rounds", "1", "--seconds", "0.5", "--warmup", "0.2",
+           "--history", "20"]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    figures = dict(measure.parse_figure_line(line) for line in out.stdout.splitlines() if line.startswith("compare "))
+    assert set(figures) == {"compare P=2", "compare P=3"}, out.stdout
+    for f in figures.values():
+        assert all(float(f[k]) > 0 for k in ("base_pg_ms", "head_pg_ms", "base_coord_ms", "head_coord_ms",
+                                             "pg_ratio", "batches_ratio")), f
+    with psycopg.connect(measure.plain_url(database_url), autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_database WHERE datname LIKE 'compare\\_%'").fetchone() == (0,)
+    worktrees = subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "list"], capture_output=True, text=True).stdout
+    assert "compare-checkouts-" not in worktrees, worktrees

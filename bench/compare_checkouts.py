@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent

@@ -27,7 +27,6 @@ from sqlalchemy import (
     Select,
     Table,
     Update,
-    and_,
     any_,
     bindparam,
     func,

@@ -40,6 +40,14 @@ down_revision = '0011'
 branch_labels = None
 depends_on = None
 
+RENAMED_CONSTRAINTS = (  # (as leases, as lease_rows): the names metadata's naming convention gives
+    ('pk_leases', 'pk_lease_rows'),
+    ('uq_leases_attempt_id_partition_task_attempt_id', 'uq_lease_rows_attempt_id_partition_task_attempt_id'),
+    ('fk_leases_attempt_id_attempts', 'fk_lease_rows_attempt_id_attempts'),
+    ('ck_leases_resolved', 'ck_lease_rows_resolved'),
+    ('ck_leases_state', 'ck_lease_rows_state'),
+)
+
 LEASE_COLUMNS = ('id, sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, state, '
                  'leased_at, deadline_at, producer_id, producer_epoch, records, bytes, precommitted_at, resolved_at, '
                  'write_ms, first_offsets')
@@ -73,13 +81,7 @@ WHERE a.first_tids IS NOT NULL
 def upgrade() -> None:
     op.execute('ALTER TABLE leases RENAME TO lease_rows')
     op.execute('ALTER SEQUENCE leases_id_seq RENAME TO lease_rows_id_seq')
-    for old, new in (
-        ('pk_leases', 'pk_lease_rows'),
-        ('uq_leases_attempt_id_partition_task_attempt_id', 'uq_lease_rows_attempt_id_partition_task_attempt_id'),
-        ('fk_leases_attempt_id_attempts', 'fk_lease_rows_attempt_id_attempts'),
-        ('ck_leases_resolved', 'ck_lease_rows_resolved'),
-        ('ck_leases_state', 'ck_lease_rows_state'),
-    ):
+    for old, new in RENAMED_CONSTRAINTS:
         op.execute(f'ALTER TABLE lease_rows RENAME CONSTRAINT {old} TO {new}')
     op.execute('ALTER INDEX ix_leases_checkpoint_id RENAME TO ix_lease_rows_checkpoint_id')
     op.execute('ALTER INDEX ix_leases_unresolved RENAME TO ix_lease_rows_unresolved')
@@ -105,13 +107,7 @@ def downgrade() -> None:
                'DROP COLUMN first_deadline_at, DROP COLUMN first_records')
     op.execute('ALTER INDEX ix_lease_rows_unresolved RENAME TO ix_leases_unresolved')
     op.execute('ALTER INDEX ix_lease_rows_checkpoint_id RENAME TO ix_leases_checkpoint_id')
-    for old, new in (
-        ('pk_leases', 'pk_lease_rows'),
-        ('uq_leases_attempt_id_partition_task_attempt_id', 'uq_lease_rows_attempt_id_partition_task_attempt_id'),
-        ('fk_leases_attempt_id_attempts', 'fk_lease_rows_attempt_id_attempts'),
-        ('ck_leases_resolved', 'ck_lease_rows_resolved'),
-        ('ck_leases_state', 'ck_lease_rows_state'),
-    ):
+    for old, new in RENAMED_CONSTRAINTS:
         op.execute(f'ALTER TABLE lease_rows RENAME CONSTRAINT {new} TO {old}')
     op.execute('ALTER SEQUENCE lease_rows_id_seq RENAME TO leases_id_seq')
     op.execute('ALTER TABLE lease_rows RENAME TO leases')

@@ -1,0 +1,113 @@
+"""A batch's first tries on its attempt row (migration 0012): the common path writes no lease row,
+the views show the same leases a lease row would hold, and anything else moves them into
+lease_rows first, unchanged and with the same ids. Real Postgres per test; Kafka is the
+record-only control plane (these tests are about the bookkeeping)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import IntegrityError
+
+from coordinator.protocol.invariants import check_invariants
+from coordinator.protocol.model import Lease, PartitionResult, PrecommitRecord
+from coordinator.protocol.rules import PrecommitRequest
+from coordinator.protocol.states import LeaseState
+from coordinator.service import Coordinator, SinkSpec
+from coordinator.store.tables import attempt_of_first_try_id, first_try_lease_id
+
+NAME, ACTOR = "orders", "test"
+
+
+def start(c: Coordinator) -> int:
+    c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), ACTOR)
+    gen, _ = c.start_generation(NAME, "q1", "r1", ACTOR)
+    return gen
+
+
+def record(partition: int) -> PrecommitRecord:
+    return PrecommitRecord(3000 + partition, 1, 10 + partition, 100, 4, [["out", partition, 70]])
+
+
+def rows(engine: Engine, sql: str, **params: Any) -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(text(sql), params).all())
+
+
+def leases_of(c: Coordinator, attempt_id: int) -> list[Lease]:
+    return [x for x in c.snapshot().leases if x.attempt_id == attempt_id]
+
+
+def test_the_common_path_writes_no_lease_row_and_the_views_show_every_lease(coordinator: Coordinator,
+                                                                            engine: Engine) -> None:
+    gen = start(coordinator)
+    begun = coordinator.begin_checkpoint(NAME, 1, gen, ACTOR, partitions=3)
+    assert begun.attempt is not None
+    assert [x.id for x in begun.pre_leases] == [first_try_lease_id(begun.attempt.id, p) for p in range(3)]
+    assert leases_of(coordinator, begun.attempt.id) == begun.pre_leases  # the view: as begin answered
+    results = [PartitionResult(p, begun.pre_leases[p].id, record(p)) for p in (0, 1)] + [PartitionResult(2, None)]
+    answer = coordinator.commit(NAME, 1, begun.attempt.number, gen, results, ACTOR)
+    assert answer.checkpoint.state == "COMMITTED"
+    assert rows(engine, "SELECT count(*) FROM lease_rows") == [(0,)]
+    after = leases_of(coordinator, begun.attempt.id)
+    assert [x.state for x in after] == [LeaseState.COMMITTED, LeaseState.COMMITTED, LeaseState.ABORTED]
+    assert [(x.producer_id, x.producer_epoch, x.records, x.bytes, x.write_ms) for x in after[:2]] == [
+        (3000, 1, 10, 100, 4), (3001, 1, 11, 100, 4)]
+    assert after[0].first_offsets == '[["out", 0, 70]]' and after[2].producer_id is None
+    assert all(x.resolved_at is not None for x in after)
+    assert sorted((w.id, w.state) for w in answer.winners) == [(x.id, x.state) for x in after[:2]]
+    assert [str(v) for v in check_invariants(coordinator.snapshot(), settled=True)] == []
+    assert rows(engine, "SELECT count(*) FROM transactional_ids WHERE state <> 'FREE'") == [(0,)]
+
+
+def test_a_retrys_lease_moves_the_first_tries_to_lease_rows_unchanged(coordinator: Coordinator,
+                                                                       engine: Engine) -> None:
+    gen = start(coordinator)
+    begun = coordinator.begin_checkpoint(NAME, 1, gen, ACTOR, partitions=2)
+    assert begun.attempt is not None
+    before = leases_of(coordinator, begun.attempt.id)
+    retry = coordinator.begin_partition(NAME, 1, begun.attempt.number, gen, 0, 5)
+    assert rows(engine, "SELECT first_tids, first_deadline_at FROM attempts WHERE id = :a", a=begun.attempt.id) == [
+        (None, None)]
+    assert sorted(r[0] for r in rows(engine, "SELECT id FROM lease_rows")) == sorted([*(x.id for x in before), retry.id])
+    assert leases_of(coordinator, begun.attempt.id) == sorted([*before, retry], key=lambda x: x.id)
+    # the retry wins partition 0: the first try there loses, and its transaction is aborted
+    results = [PartitionResult(0, retry.id, record(0)), PartitionResult(1, before[1].id, record(1))]
+    answer = coordinator.commit(NAME, 1, begun.attempt.number, gen, results, ACTOR)
+    assert answer.checkpoint.state == "COMMITTED"
+    states = {x.id: x.state for x in leases_of(coordinator, begun.attempt.id)}
+    assert states == {before[0].id: LeaseState.ABORTED, before[1].id: LeaseState.COMMITTED,
+                      retry.id: LeaseState.COMMITTED}
+    assert [str(v) for v in check_invariants(coordinator.snapshot(), settled=True)] == []
+
+
+def test_a_first_try_found_by_its_id_and_pre_committed_over_http(coordinator: Coordinator, engine: Engine) -> None:
+    """An older client pre-commits each lease by id: the id names its attempt, and the
+    pre-commit (a change to one first try) moves the attempt's first tries to lease rows."""
+    gen = start(coordinator)
+    begun = coordinator.begin_checkpoint(NAME, 1, gen, ACTOR, partitions=2)
+    assert begun.attempt is not None
+    first = begun.pre_leases[1]
+    assert attempt_of_first_try_id(first.id) == begun.attempt.id and attempt_of_first_try_id(7) is None
+    done = coordinator.precommit(NAME, first.id, gen, PrecommitRequest(4242, 0, 3, 30))
+    assert (done.id, done.state, done.producer_id) == (first.id, LeaseState.PRECOMMITTED, 4242)
+    assert rows(engine, "SELECT id, state FROM lease_rows ORDER BY id") == [
+        (begun.pre_leases[0].id, "LEASED"), (first.id, "PRECOMMITTED")]
+    assert coordinator.precommit(NAME, first.id, gen, PrecommitRequest(4242, 0, 3, 30)) == done  # a retry
+
+
+def test_an_aborted_attempt_keeps_its_first_tries_only_as_lease_rows(coordinator: Coordinator, engine: Engine) -> None:
+    gen = start(coordinator)
+    begun = coordinator.begin_checkpoint(NAME, 1, gen, ACTOR, partitions=2)
+    assert begun.attempt is not None
+    _, outcome = coordinator.abort_attempt(NAME, 1, begun.attempt.number, gen, "driver gave up", ACTOR)
+    assert sorted(outcome.aborted) == sorted(x.transactional_id for x in begun.pre_leases)
+    assert rows(engine, "SELECT state, first_tids FROM attempts") == [("ABORTED", None)]
+    assert rows(engine, "SELECT state FROM lease_rows") == [("ABORTED",), ("ABORTED",)]
+    # and the database refuses an attempt that ends otherwise with its first tries still on its row
+    other = coordinator.begin_checkpoint(NAME, 1, gen, ACTOR, partitions=1)
+    assert other.attempt is not None
+    with pytest.raises(IntegrityError, match="ck_attempts_first_tries"), engine.begin() as conn:
+        conn.execute(text("UPDATE attempts SET state = 'ABORTED' WHERE id = :a"), {"a": other.attempt.id})

@@ -294,10 +294,11 @@ _LOCK_FIRST_TRIES = text(
 
 # A statement of its own, after the lock: its snapshot then shows the attempt as its last writer
 # left it (a statement's snapshot is taken before its lock waits).
+_LEASE_COLUMNS = ", ".join(c.name for c in lease_rows.c)
 _MATERIALIZE = text(f"""
 WITH copied AS (
-    INSERT INTO lease_rows ({", ".join(c.name for c in lease_rows.c)})
-    SELECT {", ".join(c.name for c in lease_rows.c)} FROM first_try_leases WHERE attempt_id = ANY(CAST(:ids AS bigint[]))
+    INSERT INTO lease_rows ({_LEASE_COLUMNS})
+    SELECT {_LEASE_COLUMNS} FROM first_try_leases WHERE attempt_id = ANY(CAST(:ids AS bigint[]))
 )
 UPDATE attempts SET first_tids = NULL, first_deadline_at = NULL, first_records = NULL
 WHERE id = ANY(CAST(:ids AS bigint[]))

@@ -209,20 +209,16 @@ def test_rows_are_read_by_name_and_records_built_by_position_match_those_built_b
     assert by_position[0].state.value == "LEASED" and by_position[0].id == rows[0]["l_id"]
 
 
-@pytest.mark.parametrize("partitions, prepared", [(2, True), (40, False)])
-def test_statements_over_many_rows_are_planned_for_their_values_not_prepared(
-    database_url: str, partitions: int, prepared: bool
-) -> None:
-    # A prepared statement soon runs Postgres' generic plan, which assumes ~10 elements per array
-    # parameter; at 200 partitions that plan scanned transactional_ids once per lease. Statements
-    # over more than GENERIC_PLAN_MAX_ROWS rows are sent unprepared (planned for their values).
+@pytest.mark.parametrize("partitions", [2, 40])
+def test_a_batchs_statements_run_prepared_whatever_its_partition_count(database_url: str, partitions: int) -> None:
+    # Until the tenth round, statements over more than 16 rows ran unprepared (planned for their
+    # values), which cost a 200-partition batch ~4 ms of Postgres planning; their plans now reach
+    # rows by key for any count (test_plans_reach_rows_by_index_whatever_the_state_statistics).
     from coordinator.kafka.control_plane import RecordingControlPlane
     from coordinator.service import Limits
     from coordinator.store.db import sqlalchemy_url
-    from coordinator.store.hot_path import GENERIC_PLAN_MAX_ROWS
     from sqlalchemy import create_engine
 
-    assert (partitions > GENERIC_PLAN_MAX_ROWS) is not prepared
     engine = create_engine(sqlalchemy_url(database_url), pool_size=1, max_overflow=0)  # one session to look at
     c = Coordinator(engine, RecordingControlPlane(), limits=Limits(max_partitions=256))
     try:
@@ -236,8 +232,8 @@ def test_statements_over_many_rows_are_planned_for_their_values_not_prepared(
         engine.dispose()
     marks = ("INSERT INTO attempts", "first_records = CAST(", "SET state = 'COMMITTED', resolved_at")
     sized = [s for s in statements if any(m in s for m in marks)]
-    assert len(sized) == (len(marks) if prepared else 0), sized
-    assert any("FOR SHARE OF s FOR UPDATE OF c, a" in s for s in statements)  # the fixed ones stay prepared
+    assert len(sized) == len(marks), sized
+    assert any("FOR SHARE OF s FOR UPDATE OF c, a" in s for s in statements)
 
 
 def test_array_literals_read_back_as_the_lists_they_were_made_from(engine: Engine) -> None:
@@ -265,8 +261,7 @@ def test_array_literals_read_back_as_the_lists_they_were_made_from(engine: Engin
 @pytest.mark.parametrize("partitions", [2, 40])
 def test_plans_reach_rows_by_index_whatever_the_state_statistics(database_url: str, partitions: int) -> None:
     """Every statement of a query's start and of its batches (begin and commit), planned as it
-    runs (prepared: the generic plan; over more than GENERIC_PLAN_MAX_ROWS rows: a plan for its
-    values) over a deployment's statistics: 12,000 committed leases and 10,000 free ids of 25 other
+    runs (prepared: the generic plan, forced) over a deployment's statistics: 12,000 committed leases and 10,000 free ids of 25 other
     sinks. None scans a whole table that grows with history or with other sinks. The hot path's
     writes compare a state (`state = 'LEASED'`, ...) that such statistics say almost no row has;
     before they named their rows' keys as arrays, the decision's generic plan scanned every lease,

@@ -180,17 +180,16 @@ class DriverStatement:
         # from the result at every execution cost ~1 µs a column (a joined row has ~45)
         self._row_types: dict[int, type[Row]] = {}
 
-    def rows(self, conn: Connection, params: Mapping[str, Any], *, planned_for_values: bool = False) -> list[Row]:
-        """Execute in conn's transaction; every result row (readable by column name).
+    def rows(self, conn: Connection, params: Mapping[str, Any]) -> list[Row]:
+        """Execute in conn's transaction, prepared; every result row (readable by column name).
 
-        `planned_for_values`: not prepared, so Postgres plans this execution for its parameters'
-        values. A prepared statement soon runs a generic plan, which assumes ~10 elements in an array
-        parameter: with hundreds (a 200-partition batch) that plan can take a nested loop over a
-        sequential scan, once per element."""
+        A prepared statement soon runs Postgres' generic plan, which assumes ~10 elements in an
+        array parameter: a statement over P rows must reach them by index whatever P is
+        (tests/test_driver_sql.py checks the plans of a batch's statements)."""
         session = _session(conn)
         conn.dispatch.before_cursor_execute(conn, None, self.sql, params, None, False)
         try:
-            result = self._execute(session, params, planned_for_values)
+            result = self._execute(session, params)
         except psycopg.Error as exc:
             if exc.sqlstate == INVALID_STATEMENT_NAME:
                 session.prepared.clear()
@@ -207,7 +206,7 @@ class DriverStatement:
         session.transformer.set_pgresult(result)
         return session.transformer.load_rows(0, result.ntuples, row_type)
 
-    def _execute(self, session: _Session, params: Mapping[str, Any], planned_for_values: bool) -> pq.abc.PGresult:
+    def _execute(self, session: _Session, params: Mapping[str, Any]) -> pq.abc.PGresult:
         raw, tx = session.raw, session.transformer
         pgconn = raw.pgconn
         if pgconn.transaction_status == _IDLE and not raw.autocommit:
@@ -218,8 +217,6 @@ class DriverStatement:
             session.prepared = {k: name for k, name in session.prepared.items() if name in still}
             session.stale = False
         values = tx.dump_sequence([params[name] for name in self._params], self._formats)
-        if planned_for_values:
-            return _checked(raw, pgconn.exec_params(self._query, values, tx.types, tx.formats))
         key = (self._query, tx.types)
         name = session.prepared.get(key)
         if name is None:

@@ -39,15 +39,6 @@ from .driver_sql import DriverStatement, int_array, text_array
 from .tables import FIRST_TRY_ID_BASE, FIRST_TRY_ID_STRIDE, attempt_columns, checkpoints, first_try_lease_id, lease_rows, leases, sinks
 
 
-# Above this many rows in its arrays, a statement is planned for its values (DriverStatement.rows):
-# Postgres' generic plan assumes ~10 elements, so it fits a two-partition batch but not 200.
-GENERIC_PLAN_MAX_ROWS = 16
-
-
-def _planned_for_values(rows: int) -> bool:
-    return rows > GENERIC_PLAN_MAX_ROWS
-
-
 def _cols(columns: Table | Iterable[Column[Any]], alias: str, prefix: str) -> str:
     return ", ".join(f"{alias}.{c.name} AS {prefix}{c.name}" for c in (columns.c if isinstance(columns, Table) else columns))
 
@@ -203,7 +194,7 @@ def insert_attempt_with_leases(
         "checkpoint_id": checkpoint_id, "sink_id": sink.id, "number": number, "generation": generation,
         "partitions": partitions, "now": now, "tids": text_array(tids) if tids else None,
         "deadline_at": deadline_at if tids else None,
-    }, planned_for_values=_planned_for_values(len(tids)))
+    })
     if row["checkpoints_updated"] != 1 or row["ids_handed_out"] != len(tids):
         raise AssertionError("the checkpoint or a taken id changed under begin's locks")
     attempt = Attempt.from_mapping(row, "a_")
@@ -372,7 +363,7 @@ def decide(
             **params,
             "records": json.dumps(by_partition),
             "unused": int_array(x.id for x in unused), "unused_tids": text_array(x.transactional_id for x in unused),
-        }, planned_for_values=_planned_for_values(len(first_tries_on_row)))
+        })
         if not rows:
             raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
         # stored as JSON, as the lease row's text column would hold it (jsonb's rendering of an array)
@@ -387,7 +378,7 @@ def decide(
                            "bytes": r.bytes, "write_ms": r.write_ms, "first_offsets": r.first_offsets}
                 for lease, r in records
             }),
-        }, planned_for_values=_planned_for_values(len(records)))
+        })
         if not rows or rows[0]["c_id"] is None or rows[0]["a_id"] is None:
             raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
         stored = {r["w_id"]: r["w_first_offsets"] for r in rows if r["w_id"] is not None}
@@ -499,7 +490,7 @@ def mark_committed(
         "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "done": int_array([x.id for x in done]),
         "done_ids": text_array([x.transactional_id for x in done]),  # a lease's id never changes: no join to leases
         "now": now, "finish": finish, "event_actor": event_actor, "detail": json.dumps(event_detail),
-    }, planned_for_values=_planned_for_values(len(done)))
+    })
     marked = None
     if rows and rows[0]["c_id"] is not None:
         marked = Checkpoint.from_mapping(rows[0], "c_"), Attempt.from_mapping(rows[0], "a_")

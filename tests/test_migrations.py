@@ -36,10 +36,12 @@ def test_indexes_for_the_hot_queries_exist(engine):
     insp = inspect(engine)
     names = {ix["name"] for t in TABLES for ix in insp.get_indexes(t)}
     # pool leasing, unresolved-transaction sweeps, open-attempt lookups, audit trail paging
-    assert {"ix_transactional_ids_free_lru", "ix_lease_rows_unresolved", "ix_attempts_open", "ix_events_sink_id_id"} <= names
+    assert {"uq_transactional_ids_sink_id_ordinal", "ix_lease_rows_unresolved", "ix_attempts_open",
+            "ix_events_sink_id_id"} <= names | {c["name"] for c in insp.get_unique_constraints("transactional_ids")}
     # a resolved lease's id is found by its unique transactional_id: no index on lease_id (0007),
-    # so leasing an id is a HOT update
-    assert "ix_transactional_ids_lease_id" not in names
+    # and none on released_at (0013), so leasing and freeing an id are HOT updates
+    pool_columns = {c for ix in insp.get_indexes("transactional_ids") for c in ix["column_names"]}
+    assert not pool_columns & {"state", "lease_id", "released_at", "reusable_at"}, insp.get_indexes("transactional_ids")
     # no lease index covers `state`, so moves between unresolved states are HOT updates (0008)
     assert all("state" not in ix["column_names"] and "state" not in str(ix.get("dialect_options", {}))
                for ix in insp.get_indexes("lease_rows")), insp.get_indexes("lease_rows")

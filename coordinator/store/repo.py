@@ -332,7 +332,10 @@ def materialize_first_tries(conn: Connection, attempt_ids: Iterable[int]) -> Non
 # --- the transactional id pool ---------------------------------------------------------------
 
 
-# the pool's hot query (begin, a retry's lease): run on the driver's connection, see driver_sql
+# the pool's hot query (begin, a retry's lease): run on the driver's connection, see driver_sql.
+# It reads the sink's ids (by its unique (sink_id, ordinal)) and sorts them: an index on
+# released_at would make every free a non-HOT update (migration 0013), and a sink's pool is about
+# its partition count.
 _FREE_IDS = DriverStatement("""
 SELECT id, transactional_id FROM transactional_ids
 WHERE sink_id = :sink_id AND state = 'FREE' AND (reusable_at IS NULL OR reusable_at <= :now)

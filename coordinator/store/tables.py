@@ -149,12 +149,11 @@ transactional_ids = Table(
     # the broker with InitProducerId until then)
     Column("released_at", TS, nullable=True),
     Column("reusable_at", TS, nullable=True),
+    # also the pool query's path: it reads the sink's ids and sorts the free ones, least recently
+    # released first. No index covers `state`, `lease_id` or `released_at`, so leasing and freeing an
+    # id are both HOT updates (migrations 0007, 0013).
     UniqueConstraint("sink_id", "ordinal"),
     _states("FREE", "LEASED"),
-    # the pool's hot query: least recently released free id, FOR UPDATE SKIP LOCKED (walks the
-    # sink's ids in LRU order, skipping its few LEASED ones). Neither `state` nor `lease_id` is
-    # indexed, so leasing an id is a HOT update (migration 0007).
-    Index("ix_transactional_ids_free_lru", "sink_id", "released_at", "ordinal"),
 )
 
 # Leases written as rows: a retry's or a speculative copy's, and a batch's first tries once anything

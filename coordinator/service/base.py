@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -440,8 +440,13 @@ class CoordinatorBase:
                     return
                 out[i] = fn(items[i])
 
-        for f in [self._kafka_pool.submit(work) for _ in range(workers)]:
-            f.result()  # re-raises what fn raised
+        futures = [self._kafka_pool.submit(work) for _ in range(workers - 1)]
+        try:
+            work()  # the calling thread is one of the workers: one thread hand-off fewer per call
+        finally:
+            wait(futures)  # none left running, whatever work() raised
+        for f in futures:
+            f.result()  # re-raises what fn raised there
         return out
 
 

@@ -261,8 +261,8 @@ def test_array_literals_read_back_as_the_lists_they_were_made_from(engine: Engin
 @pytest.mark.parametrize("partitions", [2, 40])
 def test_plans_reach_rows_by_index_whatever_the_state_statistics(database_url: str, partitions: int) -> None:
     """Every statement of a query's start and of its batches (begin and commit), planned as it
-    runs (prepared: the generic plan, forced) over a deployment's statistics: 12,000 committed leases and 10,000 free ids of 25 other
-    sinks. None scans a whole table that grows with history or with other sinks. The hot path's
+    runs (prepared: the generic plan, forced) over a deployment's statistics: 12,000 committed
+    leases and 10,000 free ids of 25 other sinks. None scans a whole table that grows with history or with other sinks. The hot path's
     writes compare a state (`state = 'LEASED'`, ...) that such statistics say almost no row has;
     before they named their rows' keys as arrays, the decision's generic plan scanned every lease,
     and the committed mark's plan for 40 ids scanned every id (and re-read its pairs once per id)."""

@@ -111,3 +111,58 @@ def test_an_aborted_attempt_keeps_its_first_tries_only_as_lease_rows(coordinator
     assert other.attempt is not None
     with pytest.raises(IntegrityError, match="ck_attempts_first_tries"), engine.begin() as conn:
         conn.execute(text("UPDATE attempts SET state = 'ABORTED' WHERE id = :a"), {"a": other.attempt.id})
+
+
+def test_a_commit_that_waited_for_the_attempt_sees_the_first_tries_another_transaction_moved(
+    engine: Engine, kafka: Any
+) -> None:
+    """commit_head reads the first tries from the attempt's row it locked. A lease granted while
+    the commit waits for that lock (here: the first tries moved to lease_rows and a retry's lease
+    added, as begin_partition does) is seen after the wait: the locked row is its latest version,
+    with no first tries left on it, and the commit reads the lease rows. Reading the row as the
+    statement's snapshot had it would take the common path and miss the retry's transaction."""
+    import threading
+    import time
+
+    from coordinator.service.clock import DatabaseClock
+    from coordinator.store import repo
+
+    c = Coordinator(engine, kafka, clock=DatabaseClock(engine))
+    try:
+        gen = start(c)
+        begun = c.begin_checkpoint(NAME, 1, gen, ACTOR, partitions=2)
+        assert begun.attempt is not None
+        attempt_id = begun.attempt.id
+        results = [PartitionResult(x.partition, x.id, record(x.partition)) for x in begun.pre_leases]
+        outcome: dict[str, Any] = {}
+
+        def commit() -> None:
+            try:
+                outcome["answer"] = c.commit(NAME, 1, begun.attempt.number, gen, results, ACTOR)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                outcome["error"] = exc
+
+        committer = threading.Thread(target=commit)
+        with engine.begin() as conn:  # holds the attempt's lock until the block ends
+            repo.materialize_first_tries(conn, [attempt_id])
+            retry_id = conn.execute(text(
+                "INSERT INTO lease_rows (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, "
+                "transactional_id, state, leased_at, deadline_at) "
+                "SELECT sink_id, checkpoint_id, attempt_id, 1, 9, 'orders-eos-retry', 'LEASED', now(), "
+                "now() + interval '1 minute' FROM lease_rows WHERE attempt_id = :a AND partition = 1 RETURNING id"
+            ), {"a": attempt_id}).scalar_one()
+            committer.start()
+            deadline = time.monotonic() + 20
+            while not rows(engine, "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"):
+                assert time.monotonic() < deadline, "the commit never waited for the attempt's lock"
+                time.sleep(0.02)
+        committer.join(timeout=30)
+        assert "error" not in outcome, outcome.get("error")
+        assert outcome["answer"].checkpoint.state == "COMMITTED"
+        states = {x.id: x.state for x in leases_of(c, attempt_id)}
+        assert states.pop(retry_id) is LeaseState.ABORTED  # the loser's transaction was ended
+        assert sorted(states) == [x.id for x in begun.pre_leases]
+        assert set(states.values()) == {LeaseState.COMMITTED}
+        assert rows(engine, "SELECT count(*) FROM lease_rows WHERE attempt_id = :a", a=attempt_id) == [(3,)]
+    finally:
+        c.close()

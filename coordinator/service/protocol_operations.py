@@ -501,7 +501,7 @@ class ProtocolOperations(Reads):
                 cp = repo.checkpoint_for(conn, sink, batch_id, lock=True)
                 attempt = repo.attempt_of(conn, cp.id, attempt_number, lock="update")
             else:
-                sink, cp, attempt = head
+                sink, cp, attempt = head.sink, head.checkpoint, head.attempt
                 rules.check_generation(sink.generation, generation)
             if cp.state is not CheckpointState.OPEN:
                 if cp.committed_attempt != attempt_number:
@@ -522,7 +522,10 @@ class ProtocolOperations(Reads):
             if attempt.state is AttemptState.ABORTED and attempt.abort_reason == e.DEADLINE_TOO_CLOSE:
                 raise e.Conflict(e.DEADLINE_TOO_CLOSE, f"attempt {attempt_number} was aborted by the timeout gate")
             rules.check_attempt_writable(attempt, cp.current_attempt, generation)
-            locked = hot_path.lock_attempt_leases(conn, attempt.id)  # the clock read after the locks
+            if head is not None and head.first_tries is not None:  # the common path: read with the locks
+                locked = hot_path.AttemptLeases(head.first_tries, True, head.db_now)
+            else:
+                locked = hot_path.lock_attempt_leases(conn, attempt.id)  # the clock read after the locks
             attempt_leases, now = locked.leases, now_from(self.clock, conn, locked.db_now)
             try:
                 plan = rules.plan_commit(attempt_leases, results, self.limits.max_partitions)

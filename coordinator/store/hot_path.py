@@ -198,35 +198,57 @@ def insert_attempt_with_leases(
     if row["checkpoints_updated"] != 1 or row["ids_handed_out"] != len(tids):
         raise AssertionError("the checkpoint or a taken id changed under begin's locks")
     attempt = Attempt.from_mapping(row, "a_")
-    new_leases = [
+    return NewAttempt(attempt, open_first_tries(sink.id, attempt, tids, deadline_at), row["db_now"])
+
+
+def open_first_tries(sink_id: int, attempt: Attempt, tids: Sequence[str], deadline_at: datetime) -> list[Lease]:
+    """The first tries on an OPEN attempt's row as leases (LEASED, no record yet), as the view
+    first_try_leases shows them: the i-th id to partition i."""
+    return [
         Lease.from_fields(
-            id=first_try_lease_id(attempt.id, partition), sink_id=sink.id, checkpoint_id=checkpoint_id,
+            id=first_try_lease_id(attempt.id, partition), sink_id=sink_id, checkpoint_id=attempt.checkpoint_id,
             attempt_id=attempt.id, partition=partition, task_attempt_id=FIRST_TRY_TASK_ATTEMPT,
-            transactional_id=tid, state=LeaseState.LEASED, leased_at=now, deadline_at=deadline_at, producer_id=None,
-            producer_epoch=None, records=None, bytes=None, precommitted_at=None, resolved_at=None, write_ms=None,
-            first_offsets=None,
+            transactional_id=tid, state=LeaseState.LEASED, leased_at=attempt.started_at, deadline_at=deadline_at,
+            producer_id=None, producer_epoch=None, records=None, bytes=None, precommitted_at=None, resolved_at=None,
+            write_ms=None, first_offsets=None,
         )
         for partition, tid in enumerate(tids)
     ]
-    return NewAttempt(attempt, new_leases, row["db_now"])
 
 
 # --- commit: the decision -----------------------------------------------------------------------
 
 
 # The sink (FOR SHARE), the checkpoint and the attempt (FOR UPDATE) of a commit, locked in that
-# order (the lock order of repo's docstring: LockRows takes them in the order named here).
+# order (the lock order of repo's docstring: LockRows takes them in the order named here), with the
+# attempt's first tries if they are on its row, and the database's clock read after the locks (the
+# outer SELECT evaluates clock_timestamp() for a row only once the CTE has locked it). A row
+# locked after a wait is its latest version, so first tries seen on the row are the attempt's only
+# leases: any other lease of it is written after moving them to lease_rows (materialize_first_tries),
+# under the attempt's lock that this statement now holds.
 _COMMIT_HEAD = DriverStatement(f"""
-SELECT {_cols(sinks, 's', 's_')}, {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')}
-FROM sinks AS s
-JOIN checkpoints AS c ON c.sink_id = s.id AND c.query_id = s.lineage_query_id AND c.batch_id = :batch_id
-JOIN attempts AS a ON a.checkpoint_id = c.id AND a.number = :number
-WHERE s.name = :name
-FOR SHARE OF s FOR UPDATE OF c, a
+WITH h AS MATERIALIZED (
+    SELECT {_cols(sinks, 's', 's_')}, {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')},
+        a.first_tids, a.first_deadline_at
+    FROM sinks AS s
+    JOIN checkpoints AS c ON c.sink_id = s.id AND c.query_id = s.lineage_query_id AND c.batch_id = :batch_id
+    JOIN attempts AS a ON a.checkpoint_id = c.id AND a.number = :number
+    WHERE s.name = :name
+    FOR SHARE OF s FOR UPDATE OF c, a
+)
+SELECT *, clock_timestamp() AS db_now FROM h
 """)
 
 
-def commit_head(conn: Connection, name: str, batch_id: int, number: int) -> tuple[Sink, Checkpoint, Attempt] | None:
+class CommitHead(NamedTuple):
+    sink: Sink
+    checkpoint: Checkpoint
+    attempt: Attempt
+    first_tries: list[Lease] | None  # the OPEN attempt's first tries, on its row (then its only leases)
+    db_now: datetime  # the database's clock, read after the locks
+
+
+def commit_head(conn: Connection, name: str, batch_id: int, number: int) -> CommitHead | None:
     """Sink, checkpoint and attempt locked for a commit, or None if one of them is missing (the
     caller then reads them one by one, for the error that names what is missing)."""
     row = _COMMIT_HEAD.first(conn, {"name": name, "batch_id": batch_id, "number": number})
@@ -235,16 +257,20 @@ def commit_head(conn: Connection, name: str, batch_id: int, number: int) -> tupl
     sink = Sink.from_mapping(row, "s_")
     if sink.retired_at is not None:
         return None
-    return sink, Checkpoint.from_mapping(row, "c_"), Attempt.from_mapping(row, "a_")
+    attempt = Attempt.from_mapping(row, "a_")
+    first_tries = None
+    if row["first_tids"] is not None and attempt.state is AttemptState.OPEN:
+        first_tries = open_first_tries(sink.id, attempt, row["first_tids"], row["first_deadline_at"])
+    return CommitHead(sink, Checkpoint.from_mapping(row, "c_"), attempt, first_tries, row["db_now"])
 
 
-# The attempt's leases, and the database's clock read after the locks: its lease rows locked (the
-# outer SELECT evaluates clock_timestamp() for a row only once the CTE has locked it, so the last
-# row's time is after every lock; the caller takes the latest), or its first tries still on its
-# row (the caller holds the attempt's lock, which every writer of them takes). Not part of
-# _COMMIT_HEAD's statement: a statement's snapshot is taken before its lock waits, so a retry's
-# lease inserted by the transaction the attempt's lock waited for would be missed (and its
-# transaction left open).
+# The attempt's leases, and the database's clock read after the locks, when commit_head found no
+# first tries on the row: its lease rows locked (the outer SELECT evaluates clock_timestamp() for
+# a row only once the CTE has locked it, so the last row's time is after every lock; the caller
+# takes the latest), or its first tries still on its row (the caller holds the attempt's lock,
+# which every writer of them takes). Not part of _COMMIT_HEAD's statement: a statement's snapshot
+# is taken before its lock waits, so a retry's lease inserted by the transaction the attempt's
+# lock waited for would be missed (and its transaction left open).
 _LOCK_ATTEMPT_LEASES = DriverStatement(f"""
 WITH l AS (SELECT * FROM lease_rows WHERE attempt_id = :attempt_id ORDER BY id FOR UPDATE)
 SELECT {_names(lease_rows)}, false AS on_row, clock_timestamp() AS db_now FROM l

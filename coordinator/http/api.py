@@ -7,12 +7,13 @@ import time
 from dataclasses import asdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
+from pydantic_core import to_json
 from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
@@ -118,6 +119,12 @@ def _json(model: BaseModel, status_code: int = 200) -> Response:
     by alias), built in the handler: FastAPI then neither re-validates the value nor hands its
     serialisation to the thread pool a second time (the hot protocol routes)."""
     return Response(model.model_dump_json(by_alias=True), status_code=status_code, media_type="application/json")
+
+
+def _answer(fields: dict[str, Any]) -> Response:
+    """A hot protocol answer from its model's fields as plain values (`schemas.answer_fields`):
+    the JSON `_json` would send for the validated model, without building the model."""
+    return Response(to_json(fields), media_type="application/json")
 
 
 def create_app(
@@ -302,12 +309,12 @@ def create_app(
         return LostDataAcknowledged(sink=SinkOut.of(sink), acknowledged=acknowledged, lost_batches=lost)
 
     # --- checkpoints -------------------------------------------------------------------------
-    # The protocol routes answer a ready Response (see _json) with the model named in the decorator.
+    # The protocol routes answer a ready Response (see _json, _answer) with the model named in the decorator.
 
     @app.post("/v1/sinks/{name}/checkpoints/{batch_id}/begin", tags=["protocol"], responses=PROTOCOL,
               response_model=BeginOut)
     def begin_checkpoint(name: SinkName, batch_id: BatchId, body: BeginCheckpointRequest, who: Writer) -> Response:
-        return _json(BeginOut.of(coordinator.begin_checkpoint(
+        return _answer(BeginOut.fields_of(coordinator.begin_checkpoint(
             name, batch_id, body.generation, who.actor, partitions=body.partitions, offsets_digest=body.offsets)))
 
     @app.post(
@@ -336,7 +343,7 @@ def create_app(
     )
     def commit(name: SinkName, batch_id: BatchId, attempt: AttemptNumber, body: CommitRequest, who: Writer) -> Response:
         results = [p.result() for p in body.partitions]
-        return _json(CommitOut.of(
+        return _answer(CommitOut.fields_of(
             coordinator.commit(name, batch_id, attempt, body.generation, results, who.actor, body.job_ms)))
 
     @app.post(
@@ -353,7 +360,7 @@ def create_app(
               response_model=CommitOut)
     def resume(name: SinkName, batch_id: BatchId, _: Writer) -> Response:
         """Finish a decided commit; answers from the record if it is already finished."""
-        return _json(CommitOut.of(coordinator.resume(name, batch_id)))
+        return _answer(CommitOut.fields_of(coordinator.resume(name, batch_id)))
 
     # --- reads -------------------------------------------------------------------------------
 

@@ -284,9 +284,21 @@ class BeginOut(BaseModel):
 
     @classmethod
     def of(cls, r: BeginResult) -> BeginOut:
+        return cls.model_validate(cls.fields_of(r))
+
+    @classmethod
+    def fields_of(cls, r: BeginResult) -> dict[str, Any]:
+        """The answer's fields as plain values (see `answer_fields`)."""
         at = r.answered_at
-        # one validation of plain dicts (in pydantic's core) is cheaper than P model objects
-        return cls.model_validate(dict(
+        ms: dict[tuple[datetime, datetime], tuple[int, int]] = {}  # a batch's first tries share their times
+
+        def timeout_and_age(x: Lease) -> tuple[int, int]:
+            key = (x.leased_at, x.deadline_at)
+            if key not in ms:
+                ms[key] = (_ms(x.deadline_at - x.leased_at), max(0, _ms(at - x.leased_at)) if at is not None else 0)
+            return ms[key]
+
+        return answer_fields(cls, dict(
             action="write" if r.must_write else "skip",
             batch_id=r.checkpoint.batch_id,
             state=r.checkpoint.state,
@@ -297,10 +309,10 @@ class BeginOut(BaseModel):
             pre_leases=[
                 dict(
                     lease_id=x.id, partition=x.partition, transactional_id=x.transactional_id, leased_at=x.leased_at,
-                    deadline_at=x.deadline_at, transaction_timeout_ms=_ms(x.deadline_at - x.leased_at),
-                    age_ms=max(0, _ms(at - x.leased_at)) if at is not None else 0,
+                    deadline_at=x.deadline_at, transaction_timeout_ms=timeout, age_ms=age,
                 )
                 for x in r.pre_leases
+                for timeout, age in (timeout_and_age(x),)
             ],
             **(r.lease_rules or {}),
         ))
@@ -308,6 +320,18 @@ class BeginOut(BaseModel):
 
 def _ms(d: timedelta) -> int:
     return int(d / timedelta(milliseconds=1))
+
+
+def answer_fields(model: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
+    """An answer of `model` as plain values: every field in the model's order, defaults filled in.
+    pydantic's core encodes such a dict as the model's `model_dump_json` would encode the
+    validated model, byte for byte (tests/test_answers.py checks each protocol answer's shapes),
+    without building the model first: for a 200-partition begin, ~0.2 ms against ~0.6."""
+    extra = values.keys() - model.model_fields.keys()
+    if extra:
+        raise TypeError(f"not fields of {model.__name__}: {sorted(extra)}")
+    return {name: values[name] if name in values else f.get_default(call_default_factory=True)
+            for name, f in model.model_fields.items()}
 
 
 class CommittedPartition(BaseModel):
@@ -331,7 +355,12 @@ class CommitOut(BaseModel):
 
     @classmethod
     def of(cls, r: CommitResult) -> CommitOut:
-        return cls.model_validate(dict(  # plain dicts: see BeginOut.of
+        return cls.model_validate(cls.fields_of(r))
+
+    @classmethod
+    def fields_of(cls, r: CommitResult) -> dict[str, Any]:
+        """The answer's fields as plain values (see `answer_fields`)."""
+        return answer_fields(cls, dict(
             batch_id=r.checkpoint.batch_id,
             state=r.checkpoint.state,
             attempt=r.attempt.number,

@@ -785,3 +785,15 @@ def test_i5_check_unchanged():
     assert [x.invariant for x in v] == ["I5"] and "leases" in v[0].message
     v = check_unchanged(s, replace_in(s, "sinks", 0, generation=2))
     assert "sinks" in v[0].message
+
+
+def test_variants_are_copies_with_the_named_fields_set_as_with_changes_would() -> None:
+    base = lease(id=1, partition=0, transactional_id="tx-0")
+    made = base.variants(("id", "partition", "transactional_id"), [(5, 1, "tx-1"), (6, 2, "tx-2")])
+    assert made == [base.with_changes(id=5, partition=1, transactional_id="tx-1"),
+                    base.with_changes(id=6, partition=2, transactional_id="tx-2")]
+    assert base.id == 1 and made[0] is not made[1]
+    with pytest.raises(TypeError, match="not fields of Lease"):
+        base.variants(("id", "nope"), [(1, 2)])
+    with pytest.raises(ValueError, match="3 values for the fields"):
+        base.variants(("id", "partition"), [(1, 2, 3)])

@@ -204,16 +204,17 @@ def insert_attempt_with_leases(
 def open_first_tries(sink_id: int, attempt: Attempt, tids: Sequence[str], deadline_at: datetime) -> list[Lease]:
     """The first tries on an OPEN attempt's row as leases (LEASED, no record yet), as the view
     first_try_leases shows them: the i-th id to partition i."""
-    return [
-        Lease.from_fields(
-            id=first_try_lease_id(attempt.id, partition), sink_id=sink_id, checkpoint_id=attempt.checkpoint_id,
-            attempt_id=attempt.id, partition=partition, task_attempt_id=FIRST_TRY_TASK_ATTEMPT,
-            transactional_id=tid, state=LeaseState.LEASED, leased_at=attempt.started_at, deadline_at=deadline_at,
-            producer_id=None, producer_epoch=None, records=None, bytes=None, precommitted_at=None, resolved_at=None,
-            write_ms=None, first_offsets=None,
-        )
-        for partition, tid in enumerate(tids)
-    ]
+    if not tids:
+        return []
+    first = Lease.from_fields(
+        id=first_try_lease_id(attempt.id, 0), sink_id=sink_id, checkpoint_id=attempt.checkpoint_id,
+        attempt_id=attempt.id, partition=0, task_attempt_id=FIRST_TRY_TASK_ATTEMPT,
+        transactional_id=tids[0], state=LeaseState.LEASED, leased_at=attempt.started_at, deadline_at=deadline_at,
+        producer_id=None, producer_epoch=None, records=None, bytes=None, precommitted_at=None, resolved_at=None,
+        write_ms=None, first_offsets=None,
+    )
+    return first.variants(("id", "partition", "transactional_id"),
+                          ((first.id + p, p, tid) for p, tid in enumerate(tids)))  # first_try_lease_id
 
 
 # --- commit: the decision -----------------------------------------------------------------------

@@ -337,7 +337,9 @@ FROM c CROSS JOIN a FULL JOIN w ON false ORDER BY w.id NULLS FIRST
 # array by partition, null for an empty one: [producer_id, producer_epoch, records, bytes, write_ms,
 # first_offsets]), so its first
 # tries with a record are COMMITTING and the others (empty partitions) ABORTED, whose ids are free
-# again at once (no producer ever used them); and the commit_decided event.
+# again at once (no producer ever used them); and the commit_decided event. The answer also gives
+# each partition's first offsets as the views render them (jsonb's text of the stored array), so
+# the caller need not encode them a second time (P json.dumps calls: ~0.75 ms at P=200).
 _DECIDE_FIRST_TRIES = DriverStatement(f"""
 WITH c AS (
     UPDATE checkpoints SET state = 'COMMITTING', decided_at = :now, committed_attempt = :number
@@ -354,7 +356,10 @@ WITH c AS (
     INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
     SELECT :sink_id, :checkpoint_id, :now, 'commit_decided', :actor, CAST(:detail AS jsonb) FROM c, a
 )
-SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')} FROM c CROSS JOIN a
+SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')},
+    ARRAY(SELECT r.value ->> 5 FROM jsonb_array_elements(a.first_records) WITH ORDINALITY AS r(value, n)
+          ORDER BY r.n) AS stored_first_offsets
+FROM c CROSS JOIN a
 """)
 
 
@@ -393,8 +398,8 @@ def decide(
         })
         if not rows:
             raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
-        # stored as JSON, as the lease row's text column would hold it (jsonb's rendering of an array)
-        stored = {lease.id: None if r.first_offsets is None else json.dumps(r.first_offsets) for lease, r in records}
+        by_partition_stored = rows[0]["stored_first_offsets"]
+        stored = {lease.id: by_partition_stored[lease.partition] for lease, _ in records}
     else:
         rows = _DECIDE.rows(conn, {
             **params,

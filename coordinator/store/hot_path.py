@@ -214,7 +214,7 @@ def open_first_tries(sink_id: int, attempt: Attempt, tids: Sequence[str], deadli
         write_ms=None, first_offsets=None,
     )
     return first.variants(("id", "partition", "transactional_id"),
-                          ((first.id + p, p, tid) for p, tid in enumerate(tids)))  # first_try_lease_id
+                          ((first.id + p, p, tid) for p, tid in enumerate(tids)))  # = first_try_lease_id(.., p)
 
 
 # --- commit: the decision -----------------------------------------------------------------------

@@ -12,7 +12,13 @@ rows, and answers tuples readable by column name (`Row`). What SQLAlchemy and ps
 otherwise do for us is kept:
 
 - the transaction: a statement that finds the connection idle starts it with psycopg's BEGIN, as
-  psycopg would before its first statement; SQLAlchemy's commit and rollback end it as always;
+  psycopg would before its first statement; SQLAlchemy's commit and rollback end it as always.
+  The BEGIN (and a PREPARE the statement needs) travels with the statement in one libpq pipeline:
+  one round trip, where psycopg takes one per command. A transaction's last statement may carry
+  its COMMIT the same way (`rows(..., commit=True)`): SQLAlchemy's commit then finds the
+  connection idle and psycopg sends nothing. Such a statement checks its own results in SQL
+  (`coordinator_assert`, migration 0014), since a check in Python after it would come too late to
+  roll it back; any statement after it in the same SQLAlchemy transaction is refused;
 - the `before_cursor_execute` listeners still fire (the simulation's fault points, the statement
   counters of benchmarks and tests);
 - a Postgres error is psycopg's exception for its SQLSTATE, and goes through SQLAlchemy's own error
@@ -86,13 +92,14 @@ class _Session:
     statements it prepared there, by SQL and parameter types, whether that record may be stale,
     and one transformer (adapters with their dumpers and loaders cached)."""
 
-    __slots__ = ("raw", "prepared", "stale", "transformer")
+    __slots__ = ("raw", "prepared", "stale", "transformer", "committed_in")
 
     def __init__(self, raw: psycopg.Connection[Any]) -> None:
         self.raw = raw
         self.prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
         self.stale = False
         self.transformer = Transformer(raw)
+        self.committed_in: Any = None  # the SQLAlchemy transaction a statement last committed with
 
 
 def _session(conn: Connection) -> _Session:
@@ -122,8 +129,19 @@ def track_rollbacks(engine: Engine) -> None:
         if connection_record is not None:
             _mark_stale(connection_record.info, dbapi_connection)
 
+    def before_execute(conn: Connection, *args: Any) -> None:
+        if conn.connection.info.get(_SESSION_KEY) is not None:
+            _refuse_after_commit(conn)
+
     event.listen(engine, "rollback", before_rollback)
     event.listen(engine.pool, "reset", before_reset)
+    event.listen(engine, "before_cursor_execute", before_execute)
+
+
+def _refuse_after_commit(conn: Connection) -> None:
+    session = conn.connection.info.get(_SESSION_KEY)
+    if session is not None and session.committed_in is not None and session.committed_in is conn.get_transaction():
+        raise AssertionError("a statement after the one its transaction committed with")
 
 
 def _mark_stale(info: dict[str, Any], raw: Any) -> None:
@@ -155,6 +173,43 @@ def _begin_command(raw: psycopg.Connection[Any]) -> bytes:
     return b" ".join(parts)
 
 
+_SEND_QUERY, _SEND_PREPARE, _SEND_EXECUTE = b"query", b"prepare", b"execute"
+
+
+def _pipelined(pgconn: pq.abc.PGconn, commands: list[tuple[bytes, Any]]) -> list[pq.abc.PGresult]:
+    """Send the commands in one libpq pipeline and one flush; each command's result, in order. A
+    command after a failed one is not run (its result is PIPELINE_ABORTED). The pipeline's sync
+    ends no transaction a BEGIN opened; a failed command leaves it failed, for the rollback."""
+    pgconn.enter_pipeline_mode()
+    try:
+        for kind, args in commands:
+            if kind is _SEND_QUERY:
+                pgconn.send_query_params(args, None)
+            elif kind is _SEND_PREPARE:
+                pgconn.send_prepare(*args)
+            else:
+                name, values, formats = args
+                pgconn.send_query_prepared(name, values, formats)
+        pgconn.pipeline_sync()
+        results: list[pq.abc.PGresult] = []
+        while True:
+            result = pgconn.get_result()
+            if pgconn.status == pq.ConnStatus.BAD:  # nothing more will come
+                message = pgconn.error_message.decode(errors="replace").strip()
+                raise psycopg.OperationalError(f"the connection to Postgres was lost: {message}")
+            if result is None:  # the end of one command's results
+                continue
+            if result.status == pq.ExecStatus.PIPELINE_SYNC:
+                return results
+            results.append(result)
+    finally:
+        if pgconn.status == pq.ConnStatus.OK and pgconn.pipeline_status != pq.PipelineStatus.OFF:
+            try:
+                pgconn.exit_pipeline_mode()
+            except psycopg.Error:  # interrupted with results unread: this session cannot go on
+                pgconn.finish()
+
+
 class DriverStatement:
     """One fixed statement, written with SQLAlchemy's `:name` parameters (as in `text()`)."""
 
@@ -180,16 +235,21 @@ class DriverStatement:
         # from the result at every execution cost ~1 µs a column (a joined row has ~45)
         self._row_types: dict[int, type[Row]] = {}
 
-    def rows(self, conn: Connection, params: Mapping[str, Any]) -> list[Row]:
+    def rows(self, conn: Connection, params: Mapping[str, Any], *, commit: bool = False) -> list[Row]:
         """Execute in conn's transaction, prepared; every result row (readable by column name).
+        With `commit`, the transaction commits with the statement (it must be the transaction's
+        last; see the module's docstring).
 
         A prepared statement soon runs Postgres' generic plan, which assumes ~10 elements in an
         array parameter: a statement over P rows must reach them by index whatever P is
         (tests/test_driver_sql.py checks the plans of a batch's statements)."""
         session = _session(conn)
+        _refuse_after_commit(conn)
         conn.dispatch.before_cursor_execute(conn, None, self.sql, params, None, False)
+        if commit:
+            session.committed_in = conn.get_transaction()
         try:
-            result = self._execute(session, params)
+            result = self._execute(session, params, commit)
         except psycopg.Error as exc:
             if exc.sqlstate == INVALID_STATEMENT_NAME:
                 session.prepared.clear()
@@ -206,11 +266,9 @@ class DriverStatement:
         session.transformer.set_pgresult(result)
         return session.transformer.load_rows(0, result.ntuples, row_type)
 
-    def _execute(self, session: _Session, params: Mapping[str, Any]) -> pq.abc.PGresult:
+    def _execute(self, session: _Session, params: Mapping[str, Any], commit: bool) -> pq.abc.PGresult:
         raw, tx = session.raw, session.transformer
         pgconn = raw.pgconn
-        if pgconn.transaction_status == _IDLE and not raw.autocommit:
-            _checked(raw, pgconn.exec_(_begin_command(raw)))
         if session.stale:
             listed = _checked(raw, pgconn.exec_(_PREPARED_HERE))
             still = {listed.get_value(i, 0) for i in range(listed.ntuples)}
@@ -219,11 +277,25 @@ class DriverStatement:
         values = tx.dump_sequence([params[name] for name in self._params], self._formats)
         key = (self._query, tx.types)
         name = session.prepared.get(key)
+        begin = pgconn.transaction_status == _IDLE and not raw.autocommit
+        if name is not None and not begin and not commit:
+            return _checked(raw, pgconn.exec_prepared(name, values, tx.formats))
+        commands: list[tuple[bytes, Any]] = []  # sent in one round trip
+        if begin:
+            commands.append((_SEND_QUERY, _begin_command(raw)))
+        preparing = name is None
         if name is None:
             name = b"driver_sql_%d" % next(_statement_numbers)
-            _checked(raw, pgconn.prepare(name, self._query, tx.types))
+            commands.append((_SEND_PREPARE, (name, self._query, tx.types)))
+        commands.append((_SEND_EXECUTE, (name, values, tx.formats)))
+        if commit:
+            commands.append((_SEND_QUERY, b"COMMIT"))
+        results = _pipelined(pgconn, commands)
+        if preparing and len(results) > begin and results[begin].status == pq.ExecStatus.COMMAND_OK:
             session.prepared[key] = name
-        return _checked(raw, pgconn.exec_prepared(name, values, tx.formats))
+        for r in results:  # the first failure is the error: the commands after it did not run
+            _checked(raw, r)
+        return results[-2] if commit else results[-1]
 
     def first(self, conn: Connection, params: Mapping[str, Any]) -> Row | None:
         rows = self.rows(conn, params)

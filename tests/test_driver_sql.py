@@ -4,11 +4,16 @@ connection retried, the statement listeners (the simulation's fault points) fire
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import pq
 from sqlalchemy import Engine, event, text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
@@ -334,3 +339,118 @@ def test_plans_reach_rows_by_index_whatever_the_state_statistics(database_url: s
            "FOR UPDATE SKIP LOCKED", "FOR SHARE OF s FOR UPDATE OF c, a")
     assert all(any(h in s for s in scans) for h in hot), sorted(scans)  # the hot path's statements were looked at
     assert {s[:120]: found for s, found in scans.items() if found} == {}
+
+
+@contextmanager
+def _sends(conn: Any) -> Iterator[list[list[str]]]:
+    """What the client sends on conn's session, from libpq's protocol trace: one list of messages
+    per send, that is per round trip (the messages sent before the next answer is read)."""
+    pgconn = conn.connection.driver_connection.pgconn
+    sends: list[list[str]] = []
+    with tempfile.TemporaryFile("w+") as trace:
+        pgconn.trace(trace.fileno())
+        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        try:
+            yield sends
+        finally:
+            pgconn.untrace()
+            trace.seek(0)
+            previous = "B"
+            for line in trace.read().splitlines():
+                direction, _, kind, *rest = line.split("\t")
+                if direction == "F":
+                    if previous != "F":
+                        sends.append([])
+                    if kind in ("Parse", "Query"):  # with the first word of its SQL
+                        kind += " " + rest[0].split('"')[-2 if kind == "Query" else 3].split()[0]
+                    sends[-1].append(kind)
+                previous = direction
+
+
+def test_begin_prepare_execute_and_commit_travel_in_one_round_trip(engine: Engine) -> None:
+    """A transaction's first driver statement carries the BEGIN (and its PREPARE, the first time);
+    with commit=True it also carries the COMMIT, and SQLAlchemy's commit then sends nothing."""
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE t (id int PRIMARY KEY)"))
+    insert = DriverStatement("INSERT INTO t VALUES (:id) RETURNING id")
+    count = text("SELECT count(*) FROM t")
+    with engine.connect() as conn, _sends(conn) as sent:
+        with conn.begin():
+            assert insert.one(conn, {"id": 1}, commit=True)["id"] == 1
+            with engine.connect() as other:  # committed before SQLAlchemy's commit
+                assert other.execute(count).scalar_one() == 1
+        with conn.begin():
+            insert.one(conn, {"id": 2})
+    assert [[m for m in s if m.split()[0] in ("Parse", "Execute", "Sync", "Query")] for s in sent] == [
+        ["Parse BEGIN", "Execute", "Parse INSERT", "Execute", "Parse COMMIT", "Execute", "Sync"],
+        ["Parse BEGIN", "Execute", "Execute", "Sync"],  # the statement prepared already
+        ["Query COMMIT"],  # SQLAlchemy's, sent by psycopg
+    ], sent
+    with engine.connect() as conn:
+        assert conn.execute(count).scalar_one() == 2
+
+
+def test_a_statement_after_the_one_its_transaction_committed_with_is_refused(engine: Engine) -> None:
+    stmt = DriverStatement("SELECT 1 AS one")
+    with engine.connect() as conn:
+        conn.begin()
+        stmt.rows(conn, {}, commit=True)
+        with pytest.raises(AssertionError, match="after the one its transaction committed with"):
+            stmt.rows(conn, {})
+        with pytest.raises(AssertionError, match="after the one its transaction committed with"):
+            conn.execute(text("SELECT 2"))
+        conn.commit()
+        with conn.begin():  # the next transaction on the same session is a new one
+            assert stmt.one(conn, {})["one"] == 1
+            assert conn.execute(text("SELECT 2")).scalar_one() == 2
+
+
+def test_a_statement_that_fails_commits_nothing_even_when_it_carried_the_commit(engine: Engine) -> None:
+    """The COMMIT after a failed statement does not run: the transaction rolls back whole, be the
+    failure a Postgres error or the statement's own check (coordinator_assert)."""
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE t (id int PRIMARY KEY)"))
+    insert = DriverStatement("INSERT INTO t VALUES (:id) RETURNING id")
+    checked = DriverStatement("INSERT INTO t VALUES (:id) RETURNING coordinator_assert(id < 10, 'id too large') AS ok")
+    with pytest.raises(IntegrityError):
+        with engine.begin() as conn:
+            insert.rows(conn, {"id": 1})
+            insert.rows(conn, {"id": 1}, commit=True)
+    with pytest.raises(DBAPIError) as caught:
+        with engine.begin() as conn:
+            insert.rows(conn, {"id": 2})
+            checked.rows(conn, {"id": 11}, commit=True)
+    assert caught.value.orig.sqlstate == "XX000" and "coordinator_assert: id too large" in str(caught.value.orig)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT count(*) FROM t")).scalar_one() == 0
+        assert checked.one(conn, {"id": 3}, commit=True)["ok"] is True
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT array_agg(id) FROM t")).scalar_one() == [3]
+
+
+def test_waiting_for_postgres_leaves_the_gil_to_other_threads(engine: Engine) -> None:
+    """psycopg's get_result keeps the GIL while libpq waits for the answer; the driver waits with it
+    released, as psycopg's exec_ calls do, or every other thread of the server stops meanwhile."""
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.001)
+
+    sleeper = DriverStatement("SELECT pg_sleep(:s) AS slept")
+    with engine.connect() as conn:
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        try:
+            started = time.monotonic()
+            with conn.begin():  # BEGIN, PREPARE and the statement in one pipeline
+                sleeper.rows(conn, {"s": 1.0})
+            ended = time.monotonic()
+        finally:
+            stop.set()
+            ticker.join()
+    during = [t for t in ticks if started <= t <= ended]
+    gaps = [b - a for a, b in zip([started, *during], [*during, ended])]
+    assert ended - started >= 1.0 and max(gaps) < 0.5, max(gaps)

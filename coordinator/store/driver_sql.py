@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import select
 from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from typing import Any, ClassVar
@@ -176,6 +177,17 @@ def _begin_command(raw: psycopg.Connection[Any]) -> bytes:
 _SEND_QUERY, _SEND_PREPARE, _SEND_EXECUTE = b"query", b"prepare", b"execute"
 
 
+def _wait_for_result(pgconn: pq.abc.PGconn) -> None:
+    """Wait for the next result with the GIL released: psycopg's get_result keeps it while libpq
+    blocks (its exec_ calls do not), which stopped every other thread for a round trip."""
+    pgconn.consume_input()
+    while pgconn.is_busy():
+        poll = select.poll()
+        poll.register(pgconn.socket, select.POLLIN)
+        poll.poll()
+        pgconn.consume_input()
+
+
 def _pipelined(pgconn: pq.abc.PGconn, commands: list[tuple[bytes, Any]]) -> list[pq.abc.PGresult]:
     """Send the commands in one libpq pipeline and one flush; each command's result, in order. A
     command after a failed one is not run (its result is PIPELINE_ABORTED). The pipeline's sync
@@ -193,6 +205,7 @@ def _pipelined(pgconn: pq.abc.PGconn, commands: list[tuple[bytes, Any]]) -> list
         pgconn.pipeline_sync()
         results: list[pq.abc.PGresult] = []
         while True:
+            _wait_for_result(pgconn)
             result = pgconn.get_result()
             if pgconn.status == pq.ConnStatus.BAD:  # nothing more will come
                 message = pgconn.error_message.decode(errors="replace").strip()
@@ -297,12 +310,12 @@ class DriverStatement:
             _checked(raw, r)
         return results[-2] if commit else results[-1]
 
-    def first(self, conn: Connection, params: Mapping[str, Any]) -> Row | None:
-        rows = self.rows(conn, params)
+    def first(self, conn: Connection, params: Mapping[str, Any], *, commit: bool = False) -> Row | None:
+        rows = self.rows(conn, params, commit=commit)
         return rows[0] if rows else None
 
-    def one(self, conn: Connection, params: Mapping[str, Any]) -> Row:
-        rows = self.rows(conn, params)
+    def one(self, conn: Connection, params: Mapping[str, Any], *, commit: bool = False) -> Row:
+        rows = self.rows(conn, params, commit=commit)
         if len(rows) != 1:
             raise AssertionError(f"expected exactly one row, got {len(rows)}")
         return rows[0]

@@ -16,6 +16,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from psycopg.pq import TransactionStatus
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -266,29 +268,46 @@ def cpu_delta(a: dict[str, float], b: dict[str, float], wall: float) -> dict[str
 # --- SQL statements and pool checkouts from SQLAlchemy's hooks -------------------------------------
 
 
+_IDLE = TransactionStatus.IDLE
+
+
 class SqlCounter:
-    """Counts the statements an engine sends and its pool checkouts (each checkout is one
-    transaction: BEGIN and COMMIT/ROLLBACK are two more round trips)."""
+    """Counts the statements an engine sends, its pool checkouts, and the round trips to Postgres:
+    each statement, plus the BEGIN psycopg sends before a transaction's first SQLAlchemy statement
+    (a driver statement carries its BEGIN), plus the COMMIT or ROLLBACK that ends a transaction
+    still open (one a driver statement committed with itself has nothing left to end)."""
 
     def __init__(self, engine: Any) -> None:
         from sqlalchemy import event
 
-        self.statements = 0
-        self.checkouts = 0
+        self.statements = self.checkouts = self.begins = self.ends = 0
         event.listen(engine, "before_cursor_execute", self._statement)
         event.listen(engine, "checkout", self._checkout)
+        event.listen(engine, "commit", self._end)
+        event.listen(engine, "rollback", self._end)
+        event.listen(engine.pool, "reset", self._reset)
 
-    def _statement(self, *_: Any) -> None:
+    def _statement(self, conn: Any, cursor: Any, *_: Any) -> None:
         self.statements += 1
+        raw = conn.connection.driver_connection
+        if cursor is not None and not raw.autocommit and raw.pgconn.transaction_status == _IDLE:
+            self.begins += 1
 
     def _checkout(self, *_: Any) -> None:
         self.checkouts += 1
 
+    def _end(self, conn: Any) -> None:
+        self._reset(conn.connection.driver_connection)
+
+    def _reset(self, raw: Any, *_: Any) -> None:
+        if raw.pgconn.transaction_status != _IDLE:
+            self.ends += 1
+
     def reset(self) -> None:
-        self.statements = self.checkouts = 0
+        self.statements = self.checkouts = self.begins = self.ends = 0
 
     def round_trips(self) -> int:
-        return self.statements + 2 * self.checkouts
+        return self.statements + self.begins + self.ends
 
 
 # --- latency -----------------------------------------------------------------------------------

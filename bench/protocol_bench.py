@@ -103,10 +103,9 @@ def print_run(r: dict[str, Any]) -> None:
         print(f"Postgres transactions/s: {x:.0f} = {x / r['rate']:.1f} per batch ({w / r['rate']:.1f} committed); "
               f"new Postgres sessions/s: {r['db_sessions_opened_per_s']:.1f}")
     if r.get("statements_per_batch"):
-        st, co = r["statements_per_batch"], r["checkouts_per_batch"]
-        r["round_trips_per_batch"] = st + 2 * co
-        print(f"per batch: {st:.1f} SQL statements, {co:.1f} pool checkouts; ~{st + 2 * co:.0f} round trips to "
-              "Postgres (the statements, plus BEGIN and COMMIT or ROLLBACK per checkout)")
+        st, co, rt = r["statements_per_batch"], r["checkouts_per_batch"], r["round_trips_per_batch"]
+        print(f"per batch: {st:.1f} SQL statements, {co:.1f} pool checkouts; {rt:.1f} round trips to Postgres "
+              "(the statements, and each BEGIN, COMMIT or ROLLBACK sent on its own)")
     if r.get("row_writes_per_batch"):
         print(f"row writes per batch: {r['row_writes_per_batch']}")
     cpu = r["cpu"]

@@ -197,6 +197,7 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
             "error_examples": stats.error_examples,
             "statements": counter.statements if counter else None,
             "checkouts": counter.checkouts if counter else None,
+            "round_trips": counter.round_trips() if counter else None,
         })
         if engine is not None:
             engine.dispose()
@@ -281,6 +282,7 @@ def run_load(label: str, jobs: list[dict[str, Any]], *, seconds: float, warmup: 
         "first_cycle_ms": sorted(x for o in outs for x in o["first_cycles"]),
         "statements_per_batch": sum(o["statements"] for o in counted) / total if counted and total else None,
         "checkouts_per_batch": sum(o["checkouts"] for o in counted) / total if counted and total else None,
+        "round_trips_per_batch": sum(o["round_trips"] for o in counted) / total if counted and total else None,
         "db_xacts_per_s": (c1 - c0 + r1 - r0) / (w1 - w0),
         "db_commits_per_s": (c1 - c0) / (w1 - w0),
         "db_sessions_opened_per_s": max(0, n1 - n0 - 2) / (w1 - w0),  # less the sampler and counter query

@@ -114,13 +114,22 @@ def test_cpu_snapshot_charges_a_busy_server_process_to_the_server() -> None:
 def test_sql_counter_counts_statements_and_checkouts(engine) -> None:  # noqa: ANN001 - conftest's fixture
     from sqlalchemy import text
 
+    from coordinator.store.driver_sql import DriverStatement
+
     counter = measure.SqlCounter(engine)
-    with engine.begin() as conn:
+    with engine.begin() as conn:  # BEGIN, 2 statements, COMMIT
         conn.execute(text("SELECT 1"))
         conn.execute(text("SELECT 2"))
-    with engine.connect() as conn:
+    with engine.connect() as conn:  # BEGIN, a statement, the ROLLBACK of close
         conn.execute(text("SELECT 3"))
     assert (counter.statements, counter.checkouts, counter.round_trips()) == (3, 2, 7)
+    counter.reset()
+    with engine.begin() as conn:  # the BEGIN with the first statement, the COMMIT with the last
+        DriverStatement("SELECT 1 AS one").rows(conn, {})
+        DriverStatement("SELECT 2 AS two").rows(conn, {}, commit=True)
+    with engine.begin() as conn:  # the BEGIN with the first statement, then COMMIT
+        DriverStatement("SELECT 3 AS three").rows(conn, {})
+    assert (counter.statements, counter.checkouts, counter.round_trips()) == (3, 2, 4)
 
 
 def test_floor_measures_committed_updates(database_url: str) -> None:

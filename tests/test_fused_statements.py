@@ -11,10 +11,13 @@ Real Postgres, the database's clock."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator
 
 import pytest
+from psycopg import pq
 from sqlalchemy import Engine, event, select
+from sqlalchemy.exc import DBAPIError
 
 from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane
 from coordinator.protocol import errors as e
@@ -24,7 +27,8 @@ from coordinator.protocol.states import CheckpointState, LeaseState
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.service.clock import DatabaseClock
 from coordinator.store import hot_path
-from coordinator.store.tables import checkpoints
+from coordinator.store.driver_sql import DriverStatement
+from coordinator.store.tables import checkpoints, transactional_ids
 
 NAME = "orders"
 
@@ -40,6 +44,11 @@ def db_clock_coordinator(engine: Engine, kafka: RecordingControlPlane) -> Iterat
     c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
     yield c
     c.close()
+
+
+def _source(statement: DriverStatement) -> str:
+    """A driver statement's SQL as written (its `:name` parameters)."""
+    return re.sub(r"%\((\w+)\)s", r":\1", statement.sql)
 
 
 def _statements(engine: Engine) -> list[str]:
@@ -103,7 +112,7 @@ def test_begin_through_the_service_new_retried_and_refused(db_clock_coordinator:
 
 
 def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
-    db_clock_coordinator: Coordinator, kafka: RecordingControlPlane, engine: Engine
+    db_clock_coordinator: Coordinator, kafka: RecordingControlPlane, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     c = db_clock_coordinator
     gen, _ = c.start_generation(NAME, "q1", "r1", "test")
@@ -133,6 +142,17 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
         done = next(x for x in leases if x.state is LeaseState.COMMITTED)
         # the guard: naming only the winner already committed marks nothing
         now = c.clock.now_in(conn)
+        # the statement checks its answer against the rule (it may commit with its transaction): a
+        # broken variant without the guard marks the attempt with a winner left, and fails
+        unguarded = _source(hot_path._MARK_COMMITTED)
+        guard = re.search(r"AND NOT EXISTS \(SELECT 1 FROM leases WHERE attempt_id = :attempt_id AND state = "
+                          r"'COMMITTING'\s+AND id <> ALL\(CAST\(:done AS bigint\[\]\)\)\)", unguarded)
+        assert guard is not None
+        with pytest.raises(DBAPIError, match="coordinator_assert: the checkpoint or attempt"), conn.begin_nested():
+            with monkeypatch.context() as patched:
+                patched.setattr(hot_path, "_MARK_COMMITTED", DriverStatement(unguarded.replace(guard.group(0), "")))
+                hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
+                                        done=[done], now=now, finish=True, event_actor=None, event_detail={})
         kept = hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
                                        done=[done], now=now, finish=True, event_actor=None, event_detail={})
         assert kept.marked is None and {x.id: x.state for x in kept.leases}[left.id] is LeaseState.COMMITTING
@@ -148,23 +168,57 @@ def test_only_the_committed_mark_commits_without_waiting_for_the_wal_flush(
 ) -> None:
     """The mark records what Kafka already holds (a lost one is finished again), so its transaction
     alone commits asynchronously; begin's leases and the decision wait for the flush, and the
-    setting does not outlive the mark's transaction on its pooled connection."""
+    setting does not outlive the mark's transaction on its pooled connection. Each of the three
+    transactions commits with its last statement (driver_sql), so the setting is read as that
+    statement starts, and SQLAlchemy's commit after it finds nothing left to commit."""
     c = db_clock_coordinator
     gen, _ = c.start_generation(NAME, "q1", "r1", "test")
-    at_commit: list[tuple[str, str]] = []
+    last = {hot_path._NEW_ATTEMPT.sql: "begin", hot_path._DECIDE_FIRST_TRIES.sql: "decision",
+            hot_path._MARK_COMMITTED.sql: "mark"}
+    seen: list[tuple[str, str]] = []
 
-    def before_commit(conn: Any) -> None:
-        raw = conn.connection.driver_connection
-        setting = raw.execute("SHOW synchronous_commit").fetchone()[0]
-        state = raw.execute("SELECT state FROM checkpoints ORDER BY id DESC LIMIT 1").fetchone()
-        at_commit.append((state[0] if state else "-", setting))
+    def before(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if statement in last:
+            raw = conn.connection.driver_connection
+            seen.append((last[statement], raw.execute("SHOW synchronous_commit").fetchone()[0]))
 
-    event.listen(engine, "commit", before_commit)
+    def at_commit(conn: Any) -> None:
+        status = conn.connection.driver_connection.pgconn.transaction_status
+        seen.append(("commit", pq.TransactionStatus(status).name))
+
+    event.listen(engine, "before_cursor_execute", before)
+    event.listen(engine, "commit", at_commit)
     for batch_id in (1, 2):
         begun = c.begin_checkpoint(NAME, batch_id, gen, "test", partitions=2)
         results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50))
                    for x in begun.pre_leases]
         c.commit(NAME, batch_id, begun.attempt.number, gen, results, "test")
-    event.remove(engine, "commit", before_commit)
-    # per batch: begin (OPEN), the decision (COMMITTING), the mark (COMMITTED)
-    assert at_commit == [("OPEN", "on"), ("COMMITTING", "on"), ("COMMITTED", "off")] * 2, at_commit
+    event.remove(engine, "before_cursor_execute", before)
+    event.remove(engine, "commit", at_commit)
+    assert seen == [("begin", "on"), ("commit", "IDLE"), ("decision", "on"), ("commit", "IDLE"),
+                    ("mark", "off"), ("commit", "IDLE")] * 2, seen
+    assert c.checkpoint_detail(NAME, 2).checkpoint.state is CheckpointState.COMMITTED
+
+
+def test_a_new_attempt_given_an_id_that_is_not_free_commits_nothing(
+    db_clock_coordinator: Coordinator, engine: Engine
+) -> None:
+    """Begin's last statement commits with its transaction, so it checks in SQL what begin's locks
+    promise: each id it hands out was FREE, and the checkpoint moved to the new attempt. A broken
+    caller that hands out ids already leased fails it, and nothing of it stays."""
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    begun = c.begin_checkpoint(NAME, 1, gen, "test", partitions=2)
+    with engine.connect() as conn:
+        leased = [tuple(r) for r in conn.execute(
+            select(transactional_ids.c.id, transactional_ids.c.transactional_id)
+            .where(transactional_ids.c.state == "LEASED").order_by(transactional_ids.c.id))]
+    assert len(leased) == 2
+    with pytest.raises(DBAPIError, match="coordinator_assert: the checkpoint or a taken id"):
+        with engine.begin() as conn:
+            now = c.clock.now_in(conn)
+            hot_path.insert_attempt_with_leases(
+                conn, sink=c.get_sink(NAME), checkpoint_id=begun.checkpoint.id, number=2, generation=gen,
+                partitions=2, now=now, taken=leased, deadline_at=now, commit=True)
+    detail = c.checkpoint_detail(NAME, 1)
+    assert detail.checkpoint.current_attempt == 1 and [a.number for a in detail.attempts] == [1]

@@ -150,7 +150,8 @@ def test_commit_stores_the_records_with_the_decision_in_one_transaction(
     original = hot_path.decide
 
     def crash_at_decision(conn: Any, **kw: Any) -> Any:
-        original(conn, **kw)  # the decision statement ran (records, states, event) ...
+        # the decision statement ran (records, states, event), without the COMMIT it carries ...
+        original(conn, **{**kw, "commit": False})
         raise RuntimeError("the coordinator died before the decision's transaction committed")
 
     monkeypatch.setattr(hot_path, "decide", crash_at_decision)
@@ -163,7 +164,20 @@ def test_commit_stores_the_records_with_the_decision_in_one_transaction(
     assert {x.producer_id for x in snap.leases} == {None}
     assert snap.checkpoints[0].state is CheckpointState.OPEN and kafka.commits == []
 
-    done = c.commit(NAME, 0, 1, gen, results, ACTOR)
+    def crash_after_decision(conn: Any, **kw: Any) -> Any:
+        original(conn, **kw)  # ... and with it: the decision and its records are durable together
+        raise RuntimeError("the coordinator died after the decision committed")
+
+    monkeypatch.setattr(hot_path, "decide", crash_after_decision)
+    with pytest.raises(RuntimeError):
+        c.commit(NAME, 0, 1, gen, results, ACTOR)
+    monkeypatch.setattr(hot_path, "decide", original)
+    snap = c.snapshot()
+    assert {x.state for x in snap.leases} == {LeaseState.COMMITTING}
+    assert {x.producer_id for x in snap.leases} == {2000 + x.id for x in first}
+    assert snap.checkpoints[0].state is CheckpointState.COMMITTING and kafka.commits == []
+
+    done = c.commit(NAME, 0, 1, gen, results, ACTOR)  # a retry finishes the decided commit
     assert done.checkpoint.state is CheckpointState.COMMITTED
     stored = {x.id: x for x in c.snapshot().leases}
     # the hot path's statements answer ids; the leases it builds from what it wrote are the rows

@@ -193,17 +193,13 @@ class CoordinatorBase:
             outcome.clear()
             locked, db_now = hot_path.lock_checkpoint_for_mark(conn, cp.id)
             now = now_from(self.clock, conn, db_now)
-            checkpoint_leases, marked = hot_path.mark_committed(
+            finish = locked.state is CheckpointState.COMMITTING
+            checkpoint_leases, marked = hot_path.mark_committed(  # checks its answer against that rule
                 conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, done=pending,
-                now=now, finish=locked.state is CheckpointState.COMMITTING,
-                event_actor=RECOVERY_ACTOR if finished_by else None, event_detail=committed_detail,
-            )
-            still_committing = any(
-                x.attempt_id == attempt.id and x.state is LeaseState.COMMITTING for x in checkpoint_leases
+                now=now, finish=finish, event_actor=RECOVERY_ACTOR if finished_by else None,
+                event_detail=committed_detail, commit=finish,  # then nothing follows it
             )
             outcome["checkpoint"] = locked
-            if (marked is not None) != (locked.state is CheckpointState.COMMITTING and not still_committing):
-                raise AssertionError("the checkpoint or attempt changed state under the checkpoint's lock")
             if locked.state is CheckpointState.LOST:
                 return None
             final_cp, final_attempt = locked, attempt

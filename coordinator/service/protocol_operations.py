@@ -251,6 +251,7 @@ class ProtocolOperations(Reads):
                 made = hot_path.insert_attempt_with_leases(
                     conn, sink=sink, checkpoint_id=cp.id, number=number, generation=generation, partitions=partitions,
                     now=now, taken=taken, deadline_at=rules.transaction_deadline(now, sink.transaction_timeout_ms),
+                    commit=not head.open_attempt_ids,  # nothing follows it below
                 )
                 fresh.append((made, sink))
                 latest = made.attempt
@@ -556,9 +557,9 @@ class ProtocolOperations(Reads):
                 now=now, actor=actor,
                 event_detail=dict(batch_id=batch_id, attempt=attempt_number,
                                   winners=[[w.partition, w.id, w.transactional_id] for w in plan.winners]),
-                first_tries_on_row=attempt_leases if on_row else None,
+                first_tries_on_row=attempt_leases if on_row else None, commit=on_row,
             )
-            if on_row:  # the statement ended the unused first tries too
+            if on_row:  # the statement ended the unused first tries too, and committed
                 return cp.id, _Decision(sink, decided_cp, decided_attempt, sorted(winners, key=lambda x: x.id)), [], None
             winners += [repo.as_lease(r) for r in repo.cas(
                 conn, lease_rows, [w.id for w in plan.winners if w.id not in recorded], [LeaseState.PRECOMMITTED],

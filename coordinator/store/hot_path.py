@@ -171,8 +171,9 @@ WITH a AS (
     WHERE t.transactional_id = v.tid AND t.state = 'FREE'
     RETURNING t.id
 )
-SELECT {_cols(attempt_columns, 'a', 'a_')}, (SELECT count(*) FROM c) AS checkpoints_updated,
-    (SELECT count(*) FROM t) AS ids_handed_out, clock_timestamp() AS db_now
+SELECT {_cols(attempt_columns, 'a', 'a_')}, clock_timestamp() AS db_now,
+    coordinator_assert((SELECT count(*) FROM c) = 1 AND (SELECT count(*) FROM t) = :ids_taken,
+                       'the checkpoint or a taken id changed under the locks of begin') AS checked
 FROM a
 """)
 
@@ -185,18 +186,17 @@ class NewAttempt(NamedTuple):
 
 def insert_attempt_with_leases(
     conn: Connection, *, sink: Sink, checkpoint_id: int, number: int, generation: int, partitions: int | None,
-    now: datetime, taken: Sequence[tuple[int, str]], deadline_at: datetime,
+    now: datetime, taken: Sequence[tuple[int, str]], deadline_at: datetime, commit: bool = False,
 ) -> NewAttempt:
+    """With `commit`, the transaction commits with this statement (its last)."""
     if taken:
         require_transition(TransactionalIdState.FREE, TransactionalIdState.LEASED)
     tids = [tid for _, tid in taken]
     (row,) = _NEW_ATTEMPT.rows(conn, {
         "checkpoint_id": checkpoint_id, "sink_id": sink.id, "number": number, "generation": generation,
         "partitions": partitions, "now": now, "tids": text_array(tids) if tids else None,
-        "deadline_at": deadline_at if tids else None,
-    })
-    if row["checkpoints_updated"] != 1 or row["ids_handed_out"] != len(tids):
-        raise AssertionError("the checkpoint or a taken id changed under begin's locks")
+        "deadline_at": deadline_at if tids else None, "ids_taken": len(tids),
+    }, commit=commit)
     attempt = Attempt.from_mapping(row, "a_")
     return NewAttempt(attempt, open_first_tries(sink.id, attempt, tids, deadline_at), row["db_now"])
 
@@ -359,20 +359,25 @@ WITH c AS (
 SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')},
     ARRAY(SELECT r.value ->> 5 FROM jsonb_array_elements(a.first_records) WITH ORDINALITY AS r(value, n)
           ORDER BY r.n) AS stored_first_offsets
-FROM c CROSS JOIN a
+FROM (SELECT coordinator_assert((SELECT count(*) FROM c) = 1 AND (SELECT count(*) FROM a) = 1,
+                                'the checkpoint or attempt changed state under the locks of the decision')) AS checked
+LEFT JOIN (c CROSS JOIN a) ON true
 """)
 
 
 def decide(
     conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, number: int, partitions: int,
     job_ms: int | None, records: Sequence[tuple[Lease, PrecommitRecord]], now: datetime, actor: str,
-    event_detail: dict[str, Any], first_tries_on_row: Sequence[Lease] | None = None,
+    event_detail: dict[str, Any], first_tries_on_row: Sequence[Lease] | None = None, commit: bool = False,
 ) -> tuple[Checkpoint, Attempt, list[Lease]]:
     """Returns the decided checkpoint and attempt and the record winners now COMMITTING (by id).
     Each winner's lease must be as the caller read it under its lock (LEASED): the statement
     changes only the fields the record sets, so the winners are built from those leases.
     `first_tries_on_row`: the attempt's leases when its first tries are on its row and every
-    winner is one of them with its record (the others then end unused, ABORTED)."""
+    winner is one of them with its record (the others then end unused, ABORTED). `commit` (only
+    with them): the transaction commits with the decision's statement, its last."""
+    if commit and first_tries_on_row is None:
+        raise ValueError("only the decision of first tries on the attempt's row checks itself in SQL")
     require_transition(CheckpointState.OPEN, CheckpointState.COMMITTING)
     require_transition(AttemptState.OPEN, AttemptState.COMMITTING)
     if records:
@@ -395,9 +400,7 @@ def decide(
             **params,
             "records": json.dumps(by_partition),
             "unused": int_array(x.id for x in unused), "unused_tids": text_array(x.transactional_id for x in unused),
-        })
-        if not rows:
-            raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
+        }, commit=commit)
         by_partition_stored = rows[0]["stored_first_offsets"]
         stored = {lease.id: by_partition_stored[lease.partition] for lease, _ in records}
     else:
@@ -451,8 +454,9 @@ def lock_checkpoint_for_mark(conn: Connection, checkpoint_id: int) -> tuple[Chec
 # Winners Kafka committed: COMMITTING -> COMMITTED, their ids FREE again at once; and, when the
 # caller found the checkpoint COMMITTING under its lock (`:finish`), the attempt and checkpoint
 # COMMITTING -> COMMITTED in the same statement if no other winner of the attempt is still
-# COMMITTING. That guard restates the service's rule (it judges from the answer, and checks the
-# statement agreed) so the mark costs no round trip of its own. Winners that are first tries on
+# COMMITTING. That guard restates the service's rule so the mark costs no round trip of its own;
+# the statement checks (coordinator_assert) that the checkpoint was marked if and only if `:finish`
+# and no winner of the attempt is left COMMITTING, since it may commit with its transaction. Winners that are first tries on
 # the attempt's row are COMMITTED by the attempt's own mark (they are all of its winners: any
 # other kind of commit materialised them first), and their ids are freed only with it. With
 # `:event_actor`, the mark also records a checkpoint_committed event. The answer is the marked
@@ -493,7 +497,11 @@ WITH u AS (
              AND EXISTS (SELECT 1 FROM a WHERE a.first_tids IS NOT NULL))
 )
 SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')}, u.id AS u_id, {_cols(leases, 'x', 'x_')}
-FROM (c CROSS JOIN a) FULL JOIN (SELECT id FROM u) AS u ON false FULL JOIN x ON false
+FROM (SELECT coordinator_assert(
+    (SELECT count(*) FROM c) = CASE WHEN CAST(:finish AS boolean) AND NOT EXISTS (
+        SELECT 1 FROM x WHERE x.attempt_id = :attempt_id AND x.state = 'COMMITTING') THEN 1 ELSE 0 END,
+    'the checkpoint or attempt changed state under the lock of the checkpoint')) AS checked
+LEFT JOIN ((c CROSS JOIN a) FULL JOIN (SELECT id FROM u) AS u ON false FULL JOIN x ON false) ON true
 ORDER BY COALESCE(u.id, x.id) NULLS FIRST
 """)
 
@@ -505,14 +513,15 @@ class MarkedCommitted(NamedTuple):
 
 def mark_committed(
     conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, done: Sequence[Lease], now: datetime,
-    finish: bool, event_actor: str | None, event_detail: dict[str, Any],
+    finish: bool, event_actor: str | None, event_detail: dict[str, Any], commit: bool = False,
 ) -> MarkedCommitted:
     """Winners `done` (COMMITTING leases, as read) committed; with `finish`, the checkpoint too if
     none of its winners is left COMMITTING. With `event_actor`, that mark also records a
     checkpoint_committed event (a commit finished after its decision's call, e.g. by recovery);
     without, the checkpoint row (committed_at) is the record. A COMMITTING lease changes no field
     but its state until it ends, so a winner this marks is its lease as read, now COMMITTED; one
-    another finisher marked first comes back as it is."""
+    another finisher marked first comes back as it is. With `commit`, the transaction commits with
+    this statement (its last)."""
     require_transition(LeaseState.COMMITTING, LeaseState.COMMITTED)
     require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
     if finish:
@@ -522,7 +531,7 @@ def mark_committed(
         "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "done": int_array([x.id for x in done]),
         "done_ids": text_array([x.transactional_id for x in done]),  # a lease's id never changes: no join to leases
         "now": now, "finish": finish, "event_actor": event_actor, "detail": json.dumps(event_detail),
-    })
+    }, commit=commit)
     marked = None
     if rows and rows[0]["c_id"] is not None:
         marked = Checkpoint.from_mapping(rows[0], "c_"), Attempt.from_mapping(rows[0], "a_")

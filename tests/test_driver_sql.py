@@ -454,3 +454,21 @@ def test_waiting_for_postgres_leaves_the_gil_to_other_threads(engine: Engine) ->
     during = [t for t in ticks if started <= t <= ended]
     gaps = [b - a for a, b in zip([started, *during], [*during, ended])]
     assert ended - started >= 1.0 and max(gaps) < 0.5, max(gaps)
+
+
+def test_a_statement_larger_than_the_sockets_buffers_is_sent_whole(engine: Engine) -> None:
+    """psycopg's connections are non-blocking: a pipeline's sends can leave part of a large
+    statement queued in libpq, and waiting for its answer before sending the rest would wait
+    forever. (In a thread, so that such a hang fails the test instead of stopping it.)"""
+    big = "x" * (8 << 20)
+    answer: list[int] = []
+
+    def run() -> None:
+        with engine.begin() as conn:  # a new transaction: BEGIN, PREPARE and the statement in one pipeline
+            answer.append(DriverStatement("SELECT length(:big) AS n").one(conn, {"big": big}, commit=True)["n"])
+
+    sender = threading.Thread(target=run, daemon=True)
+    sender.start()
+    sender.join(30)
+    assert not sender.is_alive(), "the statement was never sent whole"
+    assert answer == [len(big)]

@@ -177,6 +177,17 @@ def _begin_command(raw: psycopg.Connection[Any]) -> bytes:
 _SEND_QUERY, _SEND_PREPARE, _SEND_EXECUTE = b"query", b"prepare", b"execute"
 
 
+def _flush(pgconn: pq.abc.PGconn) -> None:
+    """Send everything queued. psycopg keeps its connections non-blocking, so a pipeline's sends
+    may leave part of a large one (a 200-partition commit) in libpq's buffer; the wait for the
+    socket releases the GIL, and reads what Postgres answers meanwhile, as libpq asks."""
+    while pgconn.flush():
+        poll = select.poll()
+        poll.register(pgconn.socket, select.POLLIN | select.POLLOUT)
+        if any(events & select.POLLIN for _, events in poll.poll()):
+            pgconn.consume_input()
+
+
 def _wait_for_result(pgconn: pq.abc.PGconn) -> None:
     """Wait for the next result with the GIL released: psycopg's get_result keeps it while libpq
     blocks (its exec_ calls do not), which stopped every other thread for a round trip."""
@@ -203,6 +214,7 @@ def _pipelined(pgconn: pq.abc.PGconn, commands: list[tuple[bytes, Any]]) -> list
                 name, values, formats = args
                 pgconn.send_query_prepared(name, values, formats)
         pgconn.pipeline_sync()
+        _flush(pgconn)
         results: list[pq.abc.PGresult] = []
         while True:
             _wait_for_result(pgconn)

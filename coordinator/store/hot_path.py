@@ -20,11 +20,11 @@ the function that runs it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
+import pydantic_core
 from sqlalchemy import Column, Connection, Table
 
 from ..protocol.model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PrecommitRecord, Sink
@@ -45,6 +45,14 @@ def _cols(columns: Table | Iterable[Column[Any]], alias: str, prefix: str) -> st
 
 def _names(table: Table) -> str:
     return ", ".join(c.name for c in table.c)
+
+
+def _json(value: Any) -> str:
+    """JSON text for a jsonb parameter, encoded by pydantic's core: a 200-partition decision's
+    records (~34 KB) in ~0.13 ms, against ~0.75 ms through json.dumps. The same JSON value (ints
+    beyond 64 bits and non-string keys as json.dumps takes them), only compact and with text left
+    unescaped, which jsonb stores alike."""
+    return pydantic_core.to_json(value).decode()
 
 
 # --- begin --------------------------------------------------------------------------------------
@@ -384,7 +392,7 @@ def decide(
         require_transition(LeaseState.LEASED, LeaseState.COMMITTING)
     params = {
         "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "sink_id": sink_id, "number": number,
-        "partitions": partitions, "job_ms": job_ms, "now": now, "actor": actor, "detail": json.dumps(event_detail),
+        "partitions": partitions, "job_ms": job_ms, "now": now, "actor": actor, "detail": _json(event_detail),
     }
     if first_tries_on_row is not None:
         won = {lease.id for lease, _ in records}
@@ -398,7 +406,7 @@ def decide(
                                              r.first_offsets]
         rows = _DECIDE_FIRST_TRIES.rows(conn, {
             **params,
-            "records": json.dumps(by_partition),
+            "records": _json(by_partition),
             "unused": int_array(x.id for x in unused), "unused_tids": text_array(x.transactional_id for x in unused),
         }, commit=commit)
         by_partition_stored = rows[0]["stored_first_offsets"]
@@ -408,7 +416,7 @@ def decide(
             **params,
             "ids": int_array([lease.id for lease, _ in records]),
             # one JSON document (encoded in C): a text[] of P JSON values costs psycopg a regex escape per quote
-            "records": json.dumps({
+            "records": _json({
                 lease.id: {"producer_id": r.producer_id, "producer_epoch": r.producer_epoch, "records": r.records,
                            "bytes": r.bytes, "write_ms": r.write_ms, "first_offsets": r.first_offsets}
                 for lease, r in records
@@ -530,7 +538,7 @@ def mark_committed(
     rows = _MARK_COMMITTED.rows(conn, {
         "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "done": int_array([x.id for x in done]),
         "done_ids": text_array([x.transactional_id for x in done]),  # a lease's id never changes: no join to leases
-        "now": now, "finish": finish, "event_actor": event_actor, "detail": json.dumps(event_detail),
+        "now": now, "finish": finish, "event_actor": event_actor, "detail": _json(event_detail),
     }, commit=commit)
     marked = None
     if rows and rows[0]["c_id"] is not None:

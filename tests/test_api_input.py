@@ -170,6 +170,15 @@ def test_text_with_nul_or_a_lone_surrogate_is_refused_in_bodies(world: World, ba
         content = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as \\ud800
         message = invalid_field(w, w.call(method, path, content=content, token=token), method, path, field)
         assert says in message, (field, message)
+    # a topic of a commit's first offsets: refused by its pattern (Kafka's legal characters) or, a lone
+    # surrogate, as not text
+    path = f"/v1/sinks/{SINK}/checkpoints/0/attempts/1/commit"
+    commit = {"generation": w.generation, "partitions": [{
+        "partition": 0, "lease_id": w.lease_id, "producer_id": 1, "producer_epoch": 0, "records": 1, "bytes": 1,
+        "first_offsets": [["out", 0, 1], [f"t{bad}", 0, 1]]}]}
+    message = invalid_field(w, w.call("POST", path, content=json.dumps(commit).encode()), "POST", path,
+                            "partitions.0.first_offsets.1.0")
+    assert ("pattern" if says == "NUL" else "unicode") in message, message
     # in a field's name too (the answer cannot echo it raw: it would not encode)
     content = json.dumps({"generation": 1, f"x{bad}": 1}).encode()
     refused(w, w.call("POST", f"/v1/sinks/{SINK}/checkpoints/0/begin", content=content), "POST",

@@ -75,7 +75,12 @@ def text(max_length: int, *, min_length: int = 1, pattern: str | None = None, de
 SinkName = text(MAX_NAME_LENGTH, pattern=_NAME_RE.pattern, description="A-Z a-z 0-9 . _ -, starting with a letter or digit")
 TransactionalIdPrefix = text(MAX_PREFIX_LENGTH, pattern=_PREFIX_RE.pattern)
 BootstrapServers = text(2000, pattern=_NO_CONTROLS, description="host:port[,host:port...]")
-Topic = text(249, pattern=r"^[A-Za-z0-9._-]+$", description="a Kafka topic name (Kafka's legal characters)")
+_TOPIC = r"^[A-Za-z0-9._-]+$"
+Topic = text(249, pattern=_TOPIC, description="a Kafka topic name (Kafka's legal characters)")
+# A topic of a commit's first offsets (1,600 in a 200-partition commit): the pattern alone, checked
+# in pydantic's core, without clean_text's Python call per string (0.4 of ~1.3 ms of such a body's
+# validation). The pattern refuses NUL and lone surrogates too; only its message is less specific.
+OffsetTopic = Annotated[str, Field(min_length=1, max_length=249, pattern=_TOPIC)]
 Id = text(100, pattern=r"^[A-Za-z0-9._:-]+$")
 Reason = text(500, description="recorded in the event trail")
 AbortReason = text(200, description="recorded with the attempt")  # attempts.abort_reason is varchar(200)

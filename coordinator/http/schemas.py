@@ -19,6 +19,7 @@ from .input import (
     Id,
     LeaseId,
     Millis,
+    OffsetTopic,
     OperatorName,
     Partition,
     PoolSize,
@@ -103,7 +104,7 @@ class PrecommitBody(Request):
     write_ms: Millis | None = Field(None, description="the task's produce + flush time, for throughput figures")
 
 
-TopicPartitionOffset = tuple[Topic, Partition, Count]
+TopicPartitionOffset = tuple[OffsetTopic, Partition, Count]
 
 
 class PartitionResultBody(Request):

@@ -222,34 +222,3 @@ def test_a_new_attempt_given_an_id_that_is_not_free_commits_nothing(
                 partitions=2, now=now, taken=leased, deadline_at=now, commit=True)
     detail = c.checkpoint_detail(NAME, 1)
     assert detail.checkpoint.current_attempt == 1 and [a.number for a in detail.attempts] == [1]
-
-
-def test_a_new_batch_takes_its_first_tries_ids_in_its_first_statement(
-    db_clock_coordinator: Coordinator, engine: Engine
-) -> None:
-    """Begin of a new batch takes the FREE ids its first tries need in the statement that creates
-    its checkpoint, in the pool's order (least recently released first); with too few FREE ids it
-    takes them as before, growing the pool."""
-    c = db_clock_coordinator
-    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
-    for batch_id in (1, 2):  # the pool holds 3 ids, FREE, released in turn
-        begun = c.begin_checkpoint(NAME, batch_id, gen, "test", partitions=3 - batch_id + 1)
-        results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50))
-                   for x in begun.pre_leases]
-        c.commit(NAME, batch_id, begun.attempt.number, gen, results, "test")
-    with engine.connect() as conn:
-        pool = conn.execute(select(transactional_ids.c.transactional_id).where(transactional_ids.c.state == "FREE")
-                            .order_by(transactional_ids.c.released_at, transactional_ids.c.ordinal)).scalars().all()
-    assert len(pool) == 3
-
-    seen = _statements(engine)
-    begun = c.begin_checkpoint(NAME, 3, gen, "test", partitions=2)
-    assert [x.split()[0] for x in seen] == ["WITH", "WITH"], seen  # the head with the ids, the new attempt
-    assert [x.transactional_id for x in begun.pre_leases] == pool[:2]
-
-    seen.clear()  # after its commit, 3 FREE ids for 4 partitions: the pool grows by one
-    c.commit(NAME, 3, begun.attempt.number, gen, [PartitionResult(x.partition, x.id, PrecommitRecord(1, 0, 5, 50))
-                                                   for x in begun.pre_leases], "test")
-    seen.clear()
-    bigger = c.begin_checkpoint(NAME, 4, gen, "test", partitions=4)
-    assert len(seen) > 2 and len({x.transactional_id for x in bigger.pre_leases}) == 4, seen

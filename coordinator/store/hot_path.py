@@ -64,11 +64,8 @@ def _json(value: Any) -> str:
 # names it (COALESCE keeps a bound one, so the caller's check sees the bound digest). A sink that
 # takes no batch (retired, or no query bound) gets no checkpoint: the caller raises, and any
 # other refusal (generation, halt) rolls the insert back. For a new checkpoint the statement also
-# reads what the rest of begin needs (no attempt and no lease of its own yet), and takes the ids of
-# the new attempt's first tries as the pool's query does (repo._FREE_IDS: FREE and out of
-# quarantine, least recently released first, locked, SKIP LOCKED); the caller takes the rest
-# (growing the pool) if there were too few. For an existing checkpoint the caller reads what it
-# needs in a statement of its own, whose snapshot is taken after the lock.
+# reads what the rest of begin needs (no attempt and no lease of its own yet); for an existing one
+# the caller reads that in a statement of its own, whose snapshot is taken after the lock.
 # `inserted` is PostgreSQL's xmax = 0 of the returned version: set by ON CONFLICT's lock otherwise.
 _BEGIN_HEAD = DriverStatement(f"""
 WITH s AS (
@@ -81,22 +78,12 @@ WITH s AS (
     ON CONFLICT (sink_id, query_id, batch_id)
     DO UPDATE SET offsets_digest = COALESCE(c.offsets_digest, EXCLUDED.offsets_digest)
     RETURNING c.*, c.xmax = 0 AS inserted
-), f AS (
-    SELECT t.id, t.transactional_id, t.released_at, t.ordinal FROM transactional_ids AS t
-    WHERE t.sink_id = (SELECT s.id FROM s) AND t.state = 'FREE'
-    AND (t.reusable_at IS NULL OR t.reusable_at <= COALESCE(CAST(:now AS timestamptz), (SELECT s.db_now FROM s)))
-    AND EXISTS (SELECT 1 FROM c WHERE c.inserted)
-    ORDER BY t.released_at, t.ordinal
-    LIMIT :ids_wanted
-    FOR UPDATE OF t SKIP LOCKED
 )
 SELECT {_cols(sinks, 's', 's_')}, s.db_now, {_cols(checkpoints, 'c', 'c_')}, c.inserted,
     (SELECT array_agg(o.id ORDER BY o.id) FROM attempts AS o
      WHERE o.sink_id = s.id AND o.state = 'OPEN' AND o.finished_at IS NULL) AS open_attempt_ids,
     (SELECT array_agg(u.id ORDER BY u.id) FROM checkpoints AS u
-     WHERE u.sink_id = s.id AND u.state = 'COMMITTING') AS unfinished_ids,
-    (SELECT array_agg(f.id ORDER BY f.released_at, f.ordinal) FROM f) AS free_ids,
-    (SELECT array_agg(f.transactional_id ORDER BY f.released_at, f.ordinal) FROM f) AS free_tids
+     WHERE u.sink_id = s.id AND u.state = 'COMMITTING') AS unfinished_ids
 FROM s LEFT JOIN c ON true
 """)
 
@@ -137,31 +124,26 @@ class BeginHead(NamedTuple):
     sink: Sink
     db_now: datetime  # the database's clock, read before the checkpoint's lock
     head: CheckpointHead | None  # None: the sink takes no batch (retired, or no query bound)
-    # a new checkpoint's: up to ids_wanted FREE ids (id, transactional id) locked for its first
-    # tries, in the order the pool hands them out
-    free_ids: list[tuple[int, str]]
 
 
 def begin_head(
-    conn: Connection, name: str, batch_id: int, now: datetime | None, offsets_digest: str | None,
-    ids_wanted: int = 0,
+    conn: Connection, name: str, batch_id: int, now: datetime | None, offsets_digest: str | None
 ) -> BeginHead | None:
     """The sink, the clock and the batch's checkpoint (created or locked) with what begin reads
     next; None if there is no such sink. `now` is the checkpoint's creation time when the clock is
     not the database's (None: the statement's clock)."""
-    row = _BEGIN_HEAD.first(conn, {"name": name, "batch_id": batch_id, "now": now, "offsets_digest": offsets_digest,
-                                   "ids_wanted": ids_wanted})
+    row = _BEGIN_HEAD.first(conn, {"name": name, "batch_id": batch_id, "now": now, "offsets_digest": offsets_digest})
     if row is None:
         return None
     sink = Sink.from_mapping(row, "s_")
     if row["c_id"] is None:
-        return BeginHead(sink, row["db_now"], None, [])
+        return BeginHead(sink, row["db_now"], None)
     cp = Checkpoint.from_mapping(row, "c_")
     if row["inserted"]:
         head = CheckpointHead(cp, None, list(row["open_attempt_ids"] or ()), list(row["unfinished_ids"] or ()), [])
     else:
         head = _existing_checkpoint_head(conn, sink, cp)
-    return BeginHead(sink, row["db_now"], head, list(zip(row["free_ids"] or (), row["free_tids"] or ())))
+    return BeginHead(sink, row["db_now"], head)
 
 
 def _existing_checkpoint_head(conn: Connection, sink: Sink, cp: Checkpoint) -> CheckpointHead:

@@ -400,6 +400,8 @@ def test_a_statement_after_the_one_its_transaction_committed_with_is_refused(eng
         with pytest.raises(AssertionError, match="after the one its transaction committed with"):
             conn.execute(text("SELECT 2"))
         conn.commit()
+        with conn.begin(), conn.begin_nested(), pytest.raises(ValueError, match="savepoint"):
+            stmt.rows(conn, {}, commit=True)  # would commit the outer transaction too
         with conn.begin():  # the next transaction on the same session is a new one
             assert stmt.one(conn, {})["one"] == 1
             assert conn.execute(text("SELECT 2")).scalar_one() == 2

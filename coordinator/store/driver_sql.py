@@ -272,6 +272,8 @@ class DriverStatement:
         _refuse_after_commit(conn)
         conn.dispatch.before_cursor_execute(conn, None, self.sql, params, None, False)
         if commit:
+            if conn.in_nested_transaction():
+                raise ValueError("a statement inside a savepoint cannot commit its transaction")
             session.committed_in = conn.get_transaction()
         try:
             result = self._execute(session, params, commit)

@@ -474,3 +474,21 @@ def test_a_statement_larger_than_the_sockets_buffers_is_sent_whole(engine: Engin
     sender.join(30)
     assert not sender.is_alive(), "the statement was never sent whole"
     assert answer == [len(big)]
+
+
+def test_the_pipeline_is_sent_with_the_gil_released_where_libpq_is_found(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """psycopg's pipeline_sync keeps the GIL while it sends; the driver calls libpq's own through
+    ctypes (which releases it) when the libpq psycopg uses is the one mapped in the process, as
+    with psycopg's binary wheel on Linux, and falls back to psycopg's otherwise."""
+    from coordinator.store import driver_sql
+
+    assert driver_sql._libpq_pipeline_sync() is not None  # this machine: Linux, psycopg[binary]
+    stmt = DriverStatement("SELECT CAST(:n AS int) * 2 AS twice")
+    with engine.begin() as conn:
+        assert stmt.one(conn, {"n": 21}, commit=True)["twice"] == 42
+    assert driver_sql._PIPELINE_SYNC not in (None, False)
+    monkeypatch.setattr(driver_sql, "_PIPELINE_SYNC", False)  # psycopg's pipeline_sync
+    with engine.begin() as conn:
+        assert stmt.one(conn, {"n": 4}, commit=True)["twice"] == 8

@@ -149,30 +149,25 @@ def test_commit_stores_the_records_with_the_decision_in_one_transaction(
     results = [PartitionResult(x.partition, x.id, record(x.id)) for x in first]
     original = hot_path.decide
 
-    def crash_at_decision(conn: Any, **kw: Any) -> Any:
-        # the decision statement ran (records, states, event), without the COMMIT it carries ...
-        original(conn, **{**kw, "commit": False})
-        raise RuntimeError("the coordinator died before the decision's transaction committed")
+    def commit_dying_after_the_decision(committed: bool) -> Any:
+        """The coordinator dies once the decision statement ran (records, states, event), with or
+        without the COMMIT it carries; what the record then holds."""
+        def decide_then_die(conn: Any, **kw: Any) -> Any:
+            original(conn, **{**kw, "commit": kw["commit"] and committed})
+            raise RuntimeError("the coordinator died")
 
-    monkeypatch.setattr(hot_path, "decide", crash_at_decision)
-    with pytest.raises(RuntimeError):
-        c.commit(NAME, 0, 1, gen, results, ACTOR)
-    monkeypatch.setattr(hot_path, "decide", original)
-    # nothing of it stuck: no record without its decision, no decision without its records
-    snap = c.snapshot()
+        with monkeypatch.context() as patched, pytest.raises(RuntimeError):
+            patched.setattr(hot_path, "decide", decide_then_die)
+            c.commit(NAME, 0, 1, gen, results, ACTOR)
+        return c.snapshot()
+
+    # before its COMMIT, nothing of it stuck: no record without its decision, no decision without its records
+    snap = commit_dying_after_the_decision(committed=False)
     assert {x.state for x in snap.leases} == {LeaseState.LEASED}
     assert {x.producer_id for x in snap.leases} == {None}
     assert snap.checkpoints[0].state is CheckpointState.OPEN and kafka.commits == []
-
-    def crash_after_decision(conn: Any, **kw: Any) -> Any:
-        original(conn, **kw)  # ... and with it: the decision and its records are durable together
-        raise RuntimeError("the coordinator died after the decision committed")
-
-    monkeypatch.setattr(hot_path, "decide", crash_after_decision)
-    with pytest.raises(RuntimeError):
-        c.commit(NAME, 0, 1, gen, results, ACTOR)
-    monkeypatch.setattr(hot_path, "decide", original)
-    snap = c.snapshot()
+    # with it, the decision and its records are durable together
+    snap = commit_dying_after_the_decision(committed=True)
     assert {x.state for x in snap.leases} == {LeaseState.COMMITTING}
     assert {x.producer_id for x in snap.leases} == {2000 + x.id for x in first}
     assert snap.checkpoints[0].state is CheckpointState.COMMITTING and kafka.commits == []

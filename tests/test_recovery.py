@@ -110,8 +110,10 @@ def test_one_leader_among_two_and_the_other_takes_over_when_it_stops_renewing(
     # each replica has its own coordinator (and clocks far apart: leadership uses the database's)
     a_coord = Coordinator(engine, kafka, clock=ManualClock())
     b_coord = Coordinator(engine, kafka, clock=ManualClock(ManualClock().now() + timedelta(days=3)))
-    a = RecoveryLoop(a_coord, interval_ms=100, leader_ttl_ms=800, holder="replica-a")
-    b = RecoveryLoop(b_coord, interval_ms=100, leader_ttl_ms=800, holder="replica-b")
+    # a TTL well beyond a stall of this shared machine (with 800 ms, a stall between two of a's
+    # renewals in a loaded CI run let b take over), so only a's stopping hands it over
+    a = RecoveryLoop(a_coord, interval_ms=100, leader_ttl_ms=3000, holder="replica-a")
+    b = RecoveryLoop(b_coord, interval_ms=100, leader_ttl_ms=3000, holder="replica-b")
     try:
         first = a.run_once()
         assert first.leader and first.token is not None
@@ -122,7 +124,7 @@ def test_one_leader_among_two_and_the_other_takes_over_when_it_stops_renewing(
         row = a.lease.current()
         assert row is not None and row["holder"] == "replica-a" and row["live"] and row["token"] == first.token
 
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         taken = b.run_once()
         while not taken.leader:  # a stopped renewing: b takes over once the lease expired
             assert time.monotonic() < deadline, "b never took over"

@@ -35,8 +35,9 @@ def make_engine(url: str, pool_size: int = 20) -> Engine:
         pool_pre_ping=False,
         pool_recycle=1800,
     )
-    # psycopg's DEALLOCATE ALL after a rollback drops the hot path's prepared statements too
-    driver_sql.track_rollbacks(engine)
+    # psycopg's DEALLOCATE ALL after a rollback drops the hot path's prepared statements too; and
+    # no statement may follow one that committed its transaction
+    driver_sql.hook_engine(engine)
     return engine
 
 

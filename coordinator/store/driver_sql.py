@@ -118,11 +118,13 @@ def _session(conn: Connection) -> _Session:
 # psycopg sends DEALLOCATE ALL after rolling back an open transaction once it has prepared
 # statements of its own (it prepares any statement it sees five times: SQLAlchemy's too). So a
 # rollback marks the session's record stale, and its next driver statement reads which of them
-# are still there (one round trip, after a rollback only). `track_rollbacks` hooks an engine's
+# are still there (one round trip, after a rollback only). `hook_engine` hooks an engine's
 # rollbacks and pool resets; on an engine without it, or after a DEALLOCATE nobody announced, a
 # statement fails with InvalidSqlStatementName, the session forgets what it had prepared, and the
 # service retries the transaction (`CoordinatorBase._tx`), which prepares them again.
-def track_rollbacks(engine: Engine) -> None:
+# It also refuses SQLAlchemy's own statements after a driver statement committed their
+# transaction (driver statements check that themselves, on any engine).
+def hook_engine(engine: Engine) -> None:
     def before_rollback(conn: Connection) -> None:
         if not conn.invalidated:
             _mark_stale(conn.connection.info, conn.connection.driver_connection)
@@ -131,8 +133,8 @@ def track_rollbacks(engine: Engine) -> None:
         if connection_record is not None:
             _mark_stale(connection_record.info, dbapi_connection)
 
-    def before_execute(conn: Connection, *args: Any) -> None:
-        if conn.connection.info.get(_SESSION_KEY) is not None:
+    def before_execute(conn: Connection, cursor: Any, *args: Any) -> None:
+        if cursor is not None:  # a driver statement (no cursor) has checked already
             _refuse_after_commit(conn)
 
     event.listen(engine, "rollback", before_rollback)

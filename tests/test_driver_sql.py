@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from coordinator.protocol.model import Lease, PartitionResult, PrecommitRecord
 from coordinator.service import Coordinator, SinkSpec
-from coordinator.store.driver_sql import DriverStatement
+from coordinator.store.driver_sql import DriverStatement, run_together
 
 NAME = "orders"
 
@@ -388,6 +388,58 @@ def test_begin_prepare_execute_and_commit_travel_in_one_round_trip(engine: Engin
     ], sent
     with engine.connect() as conn:
         assert conn.execute(count).scalar_one() == 2
+
+
+def test_statements_run_together_in_one_round_trip_each_with_its_own_snapshot(engine: Engine) -> None:
+    """`run_together` sends BEGIN, the statements (each prepared the first time) and the COMMIT in
+    one round trip. Each statement still takes its snapshot as it starts: the one after a lock
+    wait sees what the lock's holder committed meanwhile (the committed mark's lock, then mark)."""
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE t (id int PRIMARY KEY, v int)"))
+        conn.execute(text("INSERT INTO t VALUES (1, 0)"))
+    lock = DriverStatement("SELECT v FROM t WHERE id = :id FOR UPDATE")
+    read = DriverStatement("SELECT v, (SELECT count(*) FROM t) AS n FROM t WHERE id = :id")
+    with engine.connect() as holder:
+        holder.execute(text("UPDATE t SET v = 1 WHERE id = 1"))  # holds the row's lock
+        answers: list[Any] = []
+        with engine.connect() as conn, _sends(conn) as sent:
+
+            def together() -> None:
+                with conn.begin():
+                    answers.append(run_together(conn, ((lock, {"id": 1}), (read, {"id": 1})), commit=True))
+
+            waiting = threading.Thread(target=together)
+            waiting.start()
+            time.sleep(0.3)
+            assert not answers  # waiting for the lock
+            holder.execute(text("INSERT INTO t VALUES (2, 0)"))
+            holder.commit()
+            waiting.join(10)
+        ((locked,), (after,)) = answers[0]
+        assert locked["v"] == 1 and (after["v"], after["n"]) == (1, 2)  # both committed by the holder meanwhile
+        assert [[m for m in s if m.split()[0] in ("Parse", "Execute", "Sync", "Query")] for s in sent] == [
+            ["Parse BEGIN", "Execute", "Parse SELECT", "Execute", "Parse SELECT", "Execute", "Parse COMMIT", "Execute",
+             "Sync"],
+        ], sent
+
+
+def test_statements_run_together_stop_at_the_first_failure_which_names_its_statement(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE t (id int PRIMARY KEY)"))
+    insert = DriverStatement("INSERT INTO t VALUES (:id) RETURNING id")
+    checked = DriverStatement("SELECT coordinator_assert(:ok, 'not ok') AS ok")
+    for statements, failing in (
+        (((checked, {"ok": False}), (insert, {"id": 1})), checked),
+        (((insert, {"id": 1}), (checked, {"ok": False})), checked),
+        (((insert, {"id": 1}), (insert, {"id": 1})), insert),
+    ):
+        with pytest.raises(DBAPIError) as caught, engine.begin() as conn:
+            run_together(conn, statements, commit=True)
+        assert caught.value.statement == failing.sql
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT count(*) FROM t")).scalar_one() == 0  # nothing committed
+        assert [r["ok"] for r in checked.rows(conn, {"ok": True})] == [True]
+        assert run_together(conn, ((insert, {"id": 1}), (insert, {"id": 2})), commit=True) == [[(1,)], [(2,)]]
 
 
 def test_a_statement_after_the_one_its_transaction_committed_with_is_refused(engine: Engine) -> None:

@@ -33,7 +33,7 @@ import ctypes
 import itertools
 import re
 import select
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -140,6 +140,11 @@ def hook_engine(engine: Engine) -> None:
     event.listen(engine, "rollback", before_rollback)
     event.listen(engine.pool, "reset", before_reset)
     event.listen(engine, "before_cursor_execute", before_execute)
+
+
+def transaction_started(conn: Connection) -> bool:
+    """Whether conn's transaction has begun on the server (SQLAlchemy begins before psycopg does)."""
+    return conn.connection.driver_connection.pgconn.transaction_status != _IDLE
 
 
 def _refuse_after_commit(conn: Connection) -> None:
@@ -301,22 +306,10 @@ class DriverStatement:
         A prepared statement soon runs Postgres' generic plan, which assumes ~10 elements in an
         array parameter: a statement over P rows must reach them by index whatever P is
         (tests/test_driver_sql.py checks the plans of a batch's statements)."""
-        session = _session(conn)
-        _refuse_after_commit(conn)
-        conn.dispatch.before_cursor_execute(conn, None, self.sql, params, None, False)
-        if commit:
-            if conn.in_nested_transaction():
-                raise ValueError("a statement inside a savepoint cannot commit its transaction")
-            session.committed_in = conn.get_transaction()
-        try:
-            result = self._execute(session, params, commit)
-        except psycopg.Error as exc:
-            if exc.sqlstate == INVALID_STATEMENT_NAME:
-                session.prepared.clear()
-            # SQLAlchemy's own handler (what Connection.execute calls): wraps the error, and on a
-            # dead connection invalidates it and the pool's older connections, as for any statement
-            conn._handle_dbapi_exception(exc, self.sql, dict(params), None, None)
-            raise AssertionError("unreachable: _handle_dbapi_exception raises") from exc
+        (rows,) = run_together(conn, ((self, params),), commit=commit)
+        return rows
+
+    def _load(self, session: _Session, result: pq.abc.PGresult) -> list[Row]:
         if result.nfields == 0:
             return []
         row_type = self._row_types.get(result.nfields)
@@ -325,37 +318,6 @@ class DriverStatement:
             row_type = self._row_types[result.nfields] = _row_type(names)
         session.transformer.set_pgresult(result)
         return session.transformer.load_rows(0, result.ntuples, row_type)
-
-    def _execute(self, session: _Session, params: Mapping[str, Any], commit: bool) -> pq.abc.PGresult:
-        raw, tx = session.raw, session.transformer
-        pgconn = raw.pgconn
-        if session.stale:
-            listed = _checked(raw, pgconn.exec_(_PREPARED_HERE))
-            still = {listed.get_value(i, 0) for i in range(listed.ntuples)}
-            session.prepared = {k: name for k, name in session.prepared.items() if name in still}
-            session.stale = False
-        values = tx.dump_sequence([params[name] for name in self._params], self._formats)
-        key = (self._query, tx.types)
-        name = session.prepared.get(key)
-        begin = pgconn.transaction_status == _IDLE and not raw.autocommit
-        if name is not None and not begin and not commit:
-            return _checked(raw, pgconn.exec_prepared(name, values, tx.formats))
-        commands: list[tuple[bytes, Any]] = []  # sent in one round trip
-        if begin:
-            commands.append((_SEND_QUERY, _begin_command(raw)))
-        preparing = name is None
-        if name is None:
-            name = b"driver_sql_%d" % next(_statement_numbers)
-            commands.append((_SEND_PREPARE, (name, self._query, tx.types)))
-        commands.append((_SEND_EXECUTE, (name, values, tx.formats)))
-        if commit:
-            commands.append((_SEND_QUERY, b"COMMIT"))
-        results = _pipelined(pgconn, commands)
-        if preparing and len(results) > begin and results[begin].status == pq.ExecStatus.COMMAND_OK:
-            session.prepared[key] = name
-        for r in results:  # the first failure is the error: the commands after it did not run
-            _checked(raw, r)
-        return results[-2] if commit else results[-1]
 
     def first(self, conn: Connection, params: Mapping[str, Any], *, commit: bool = False) -> Row | None:
         rows = self.rows(conn, params, commit=commit)
@@ -367,3 +329,86 @@ class DriverStatement:
             raise AssertionError(f"expected exactly one row, got {len(rows)}")
         return rows[0]
 
+
+def run_together(
+    conn: Connection, statements: Sequence[tuple[DriverStatement, Mapping[str, Any]]], *, commit: bool = False
+) -> list[list[Row]]:
+    """Execute the statements one after the other in conn's transaction, sent in one round trip;
+    each one's rows. Each runs with a snapshot of its own, taken when it starts: a statement after
+    one that waited for a lock sees what the lock's previous holder committed. A failed statement
+    stops the rest (they do not run) and is raised as `rows` raises it. With `commit`, as `rows`."""
+    session = _session(conn)
+    _refuse_after_commit(conn)
+    for statement, params in statements:
+        conn.dispatch.before_cursor_execute(conn, None, statement.sql, params, None, False)
+    if commit:
+        if conn.in_nested_transaction():
+            raise ValueError("a statement inside a savepoint cannot commit its transaction")
+        session.committed_in = conn.get_transaction()
+    try:
+        results = _execute(session, statements, commit)
+    except _StatementFailed as failed:
+        exc, (statement, params) = failed.error, statements[failed.index]
+        if exc.sqlstate == INVALID_STATEMENT_NAME:
+            session.prepared.clear()
+        # SQLAlchemy's own handler (what Connection.execute calls): wraps the error, and on a
+        # dead connection invalidates it and the pool's older connections, as for any statement
+        conn._handle_dbapi_exception(exc, statement.sql, dict(params), None, None)
+        raise AssertionError("unreachable: _handle_dbapi_exception raises") from exc
+    return [statement._load(session, result) for (statement, _), result in zip(statements, results)]
+
+
+class _StatementFailed(Exception):
+    def __init__(self, error: psycopg.Error, index: int) -> None:
+        self.error, self.index = error, index
+
+
+def _execute(
+    session: _Session, statements: Sequence[tuple[DriverStatement, Mapping[str, Any]]], commit: bool
+) -> list[pq.abc.PGresult]:
+    """Each statement's result; a failure as _StatementFailed naming the statement (the first, for
+    a failure outside any statement: the connection lost, or the COMMIT refused)."""
+    raw, tx = session.raw, session.transformer
+    pgconn = raw.pgconn
+    try:
+        if session.stale:
+            listed = _checked(raw, pgconn.exec_(_PREPARED_HERE))
+            still = {listed.get_value(i, 0) for i in range(listed.ntuples)}
+            session.prepared = {k: name for k, name in session.prepared.items() if name in still}
+            session.stale = False
+        begin = pgconn.transaction_status == _IDLE and not raw.autocommit
+        commands: list[tuple[bytes, Any]] = []  # sent in one round trip
+        roles: list[tuple[int, Any, bytes | None]] = []  # per command: its statement, and what it prepares
+        if begin:
+            commands.append((_SEND_QUERY, _begin_command(raw)))
+            roles.append((0, None, None))
+        for i, (statement, params) in enumerate(statements):
+            values = tx.dump_sequence([params[name] for name in statement._params], statement._formats)
+            key = (statement._query, tuple(tx.types))
+            name = session.prepared.get(key)
+            if name is not None and not begin and not commit and len(statements) == 1:
+                return [_checked(raw, pgconn.exec_prepared(name, values, tx.formats))]
+            if name is None:
+                name = b"driver_sql_%d" % next(_statement_numbers)
+                commands.append((_SEND_PREPARE, (name, statement._query, key[1])))
+                roles.append((i, key, name))
+            commands.append((_SEND_EXECUTE, (name, values, list(tx.formats))))
+            roles.append((i, None, None))
+        if commit:
+            commands.append((_SEND_QUERY, b"COMMIT"))
+            roles.append((0, None, None))
+        results = _pipelined(pgconn, commands)
+    except psycopg.Error as exc:
+        raise _StatementFailed(exc, 0) from exc
+    for (_, key, name), r in zip(roles, results):
+        if key is not None and r.status == pq.ExecStatus.COMMAND_OK:
+            session.prepared[key] = name
+    answers = []
+    for (i, key, _), (kind, _), r in zip(roles, commands, results):
+        try:  # the first failure is the error: the commands after it did not run
+            _checked(raw, r)
+        except psycopg.Error as exc:
+            raise _StatementFailed(exc, i) from exc
+        if kind is _SEND_EXECUTE:
+            answers.append(r)
+    return answers

@@ -26,7 +26,7 @@ from coordinator.protocol.rules import BeginAction
 from coordinator.protocol.states import CheckpointState, LeaseState
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.service.clock import DatabaseClock
-from coordinator.store import hot_path
+from coordinator.store import driver_sql, hot_path
 from coordinator.store.driver_sql import DriverStatement
 from coordinator.store.tables import checkpoints, transactional_ids
 
@@ -126,7 +126,7 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
     seen = _statements(engine)
     assert c.commit(NAME, 1, number, gen, results, "test").checkpoint.state is CheckpointState.COMMITTED
     # the decision's transaction (head, with the first tries on the attempt's row and the clock after
-    # its locks; decision), then the mark's (lock, mark)
+    # its locks; decision), then the mark's (lock, mark: sent together)
     assert [x.split()[0] for x in seen][-2:] == ["SELECT", "WITH"] and len(seen) == 4, seen
 
     # Kafka commits one winner and not yet the other: the checkpoint stays COMMITTING
@@ -136,56 +136,80 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
         c.commit(NAME, 2, number, gen, results, "test")
     detail = c.checkpoint_detail(NAME, 2)
     cp, leases = detail.checkpoint, detail.leases
-    with engine.begin() as conn:
-        assert sorted(x.state for x in leases) == [LeaseState.COMMITTED, LeaseState.COMMITTING]
-        left = next(x for x in leases if x.state is LeaseState.COMMITTING)
-        done = next(x for x in leases if x.state is LeaseState.COMMITTED)
-        # the guard: naming only the winner already committed marks nothing
-        now = c.clock.now_in(conn)
-        # the statement checks its answer against the rule (it may commit with its transaction): a
-        # broken variant without the guard marks the attempt with a winner left, and fails
-        unguarded = _source(hot_path._MARK_COMMITTED)
-        guard = re.search(r"AND NOT EXISTS \(SELECT 1 FROM leases WHERE attempt_id = :attempt_id AND state = "
-                          r"'COMMITTING'\s+AND id <> ALL\(CAST\(:done AS bigint\[\]\)\)\)", unguarded)
-        assert guard is not None
-        with pytest.raises(DBAPIError, match="coordinator_assert: the checkpoint or attempt"), conn.begin_nested():
-            with monkeypatch.context() as patched:
-                patched.setattr(hot_path, "_MARK_COMMITTED", DriverStatement(unguarded.replace(guard.group(0), "")))
-                hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
-                                        done=[done], now=now, finish=True, event_actor=None, event_detail={})
-        kept = hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
-                                       done=[done], now=now, finish=True, event_actor=None, event_detail={})
-        assert kept.marked is None and {x.id: x.state for x in kept.leases}[left.id] is LeaseState.COMMITTING
-        marked = hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
-                                         done=[left], now=now, finish=True, event_actor="recovery",
-                                         event_detail={"by": "test"})
-        assert marked.marked is not None and marked.marked[0].state is CheckpointState.COMMITTED
-        assert all(x.state is LeaseState.COMMITTED for x in marked.leases)
+    assert sorted(x.state for x in leases) == [LeaseState.COMMITTED, LeaseState.COMMITTING]
+    left = next(x for x in leases if x.state is LeaseState.COMMITTING)
+    done = next(x for x in leases if x.state is LeaseState.COMMITTED)
+
+    def mark(winner: Any, event_actor: str | None = None) -> hot_path.MarkedCommitted:
+        with engine.begin() as conn:  # the mark is a transaction of its own, committed by its statement
+            return hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
+                                           done=[winner], now=None, event_actor=event_actor,
+                                           event_detail={"by": "test"})
+
+    # the statement checks its answer against the rule (it commits with its transaction): a broken
+    # variant without the guard marks the attempt with a winner left, fails, and commits nothing
+    unguarded = _source(hot_path._MARK_COMMITTED)
+    guard = re.search(r"AND NOT EXISTS \(SELECT 1 FROM leases WHERE attempt_id = :attempt_id AND state = "
+                      r"'COMMITTING'\s+AND id <> ALL\(CAST\(:done AS bigint\[\]\)\)\)", unguarded)
+    assert guard is not None
+    with pytest.raises(DBAPIError, match="coordinator_assert: the checkpoint or attempt"):
+        with monkeypatch.context() as patched:
+            patched.setattr(hot_path, "_MARK_COMMITTED", DriverStatement(unguarded.replace(guard.group(0), "")))
+            mark(done)
+    assert c.checkpoint_detail(NAME, 2).checkpoint.state is CheckpointState.COMMITTING
+    # the guard: naming only the winner already committed marks nothing
+    kept = mark(done)
+    assert kept.marked is None and kept.checkpoint.state is CheckpointState.COMMITTING
+    assert {x.id: x.state for x in kept.leases}[left.id] is LeaseState.COMMITTING
+    marked = mark(left, "recovery")
+    assert marked.marked is not None and marked.marked[0].state is CheckpointState.COMMITTED
+    assert marked.marked[0].committed_at == marked.now  # the database's clock, read after the lock
+    assert all(x.state is LeaseState.COMMITTED for x in marked.leases)
+    assert c.checkpoint_detail(NAME, 2).checkpoint.state is CheckpointState.COMMITTED
+    # found COMMITTED under the lock: nothing is marked again, the winners come back as they are
+    again = mark(left)
+    assert again.marked is None and again.checkpoint.state is CheckpointState.COMMITTED
+    assert all(x.state is LeaseState.COMMITTED for x in again.leases)
+    # a transaction of its own: its synchronous_commit would apply to what came before
+    with engine.begin() as conn, pytest.raises(ValueError, match="a transaction of its own"):
+        conn.execute(select(1))
+        hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
+                                done=[left], now=None, event_actor=None, event_detail={})
 
 
 def test_only_the_committed_mark_commits_without_waiting_for_the_wal_flush(
-    db_clock_coordinator: Coordinator, engine: Engine
+    db_clock_coordinator: Coordinator, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The mark records what Kafka already holds (a lost one is finished again), so its transaction
     alone commits asynchronously; begin's leases and the decision wait for the flush, and the
     setting does not outlive the mark's transaction on its pooled connection. Each of the three
-    transactions commits with its last statement (driver_sql), so the setting is read as that
-    statement starts, and SQLAlchemy's commit after it finds nothing left to commit."""
+    transactions commits with its last statement (driver_sql), so the setting is read in the same
+    pipeline just before its COMMIT, and SQLAlchemy's commit after it finds nothing left to commit."""
     c = db_clock_coordinator
     gen, _ = c.start_generation(NAME, "q1", "r1", "test")
     last = {hot_path._NEW_ATTEMPT.sql: "begin", hot_path._DECIDE_FIRST_TRIES.sql: "decision",
             hot_path._MARK_COMMITTED.sql: "mark"}
     seen: list[tuple[str, str]] = []
+    latest: list[str] = []
 
     def before(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
-        if statement in last:
-            raw = conn.connection.driver_connection
-            seen.append((last[statement], raw.execute("SHOW synchronous_commit").fetchone()[0]))
+        latest[:] = [last.get(statement, "other")]
+
+    pipelined = driver_sql._pipelined
+
+    def reading_the_setting_before_commit(pgconn: Any, commands: list[tuple[bytes, Any]]) -> list[Any]:
+        if commands[-1] != (driver_sql._SEND_QUERY, b"COMMIT"):
+            return pipelined(pgconn, commands)
+        results = pipelined(pgconn, [*commands[:-1], (driver_sql._SEND_QUERY, b"SHOW synchronous_commit"),
+                                     commands[-1]])
+        seen.append((latest[0], results[-2].get_value(0, 0).decode()))
+        return [*results[:-2], results[-1]]
 
     def at_commit(conn: Any) -> None:
         status = conn.connection.driver_connection.pgconn.transaction_status
         seen.append(("commit", pq.TransactionStatus(status).name))
 
+    monkeypatch.setattr(driver_sql, "_pipelined", reading_the_setting_before_commit)
     event.listen(engine, "before_cursor_execute", before)
     event.listen(engine, "commit", at_commit)
     for batch_id in (1, 2):

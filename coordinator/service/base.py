@@ -31,7 +31,7 @@ from ..protocol.states import ABORT_PENDING_STATES, AttemptState, CheckpointStat
 from ..store import driver_sql, hot_path, repo
 from ..store.tables import attempts, checkpoints, lease_rows, leases, sinks, unresolved_leases
 from . import metrics
-from .clock import Clock, DatabaseClock, now_from
+from .clock import Clock, DatabaseClock, given_now
 from .results import AbortOutcome, CommitResult, Limits, _Decision
 
 # one logger for every part of the service package
@@ -189,26 +189,22 @@ class CoordinatorBase:
         committed_detail = dict(batch_id=cp.batch_id, attempt=attempt.number, by=finished_by)
 
         def record_all_committed(conn: Connection) -> CommitResult | None:
-            """record() when Kafka committed every pending winner: the same writes in 2 statements."""
+            """record() when Kafka committed every pending winner: the same writes in one round
+            trip. The checkpoint found COMMITTED (another finisher marked it) is answered after
+            this transaction, which the mark commits (outcome["leases"])."""
             outcome.clear()
-            locked, db_now = hot_path.lock_checkpoint_for_mark(conn, cp.id)
-            now = now_from(self.clock, conn, db_now)
-            finish = locked.state is CheckpointState.COMMITTING
-            checkpoint_leases, marked = hot_path.mark_committed(  # checks its answer against that rule
+            mark = hot_path.mark_committed(  # checks its answer against that rule
                 conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, done=pending,
-                now=now, finish=finish, event_actor=RECOVERY_ACTOR if finished_by else None,
-                event_detail=committed_detail, commit=finish,  # then nothing follows it
+                now=given_now(self.clock, conn), event_actor=RECOVERY_ACTOR if finished_by else None,
+                event_detail=committed_detail,
             )
-            outcome["checkpoint"] = locked
-            if locked.state is CheckpointState.LOST:
-                return None
-            final_cp, final_attempt = locked, attempt
-            if marked is not None:
-                final_cp, final_attempt = marked
+            outcome["checkpoint"] = mark.checkpoint
+            if mark.marked is not None:
                 outcome["committed_now"] = True
-            elif locked.state is CheckpointState.COMMITTED:
-                final_attempt = repo.attempt_by_id(conn, attempt.id)
-            return self._result_from(sink, final_cp, final_attempt, checkpoint_leases)
+                return self._result_from(sink, *mark.marked, mark.leases)
+            if mark.checkpoint.state is CheckpointState.COMMITTED:
+                outcome["leases"] = mark.leases
+            return None
 
         def record(conn: Connection) -> CommitResult | None:
             newly_lost.clear()
@@ -265,6 +261,10 @@ class CoordinatorBase:
             return self._result_from(sink, final_cp, final_attempt, checkpoint_leases)
 
         result = self._tx(record if refused or failures or after_all else record_all_committed)
+        if "leases" in outcome:  # committed by another finisher: its attempt as that left it
+            with self.engine.connect() as conn:
+                result = self._result_from(sink, outcome["checkpoint"], repo.attempt_by_id(conn, attempt.id),
+                                           outcome["leases"])
         final: Checkpoint = outcome["checkpoint"]
         metrics.commit_finished(sink.name, time.monotonic() - started if pending else None,
                                 committed=outcome.get("committed_now", False), lost=outcome.get("became_lost", False))

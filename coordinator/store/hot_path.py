@@ -35,7 +35,7 @@ from ..protocol.states import (
     TransactionalIdState,
     require_transition,
 )
-from .driver_sql import DriverStatement, int_array, text_array
+from .driver_sql import DriverStatement, int_array, run_together, text_array, transaction_started
 from .tables import FIRST_TRY_ID_BASE, FIRST_TRY_ID_STRIDE, attempt_columns, checkpoints, first_try_lease_id, lease_rows, leases, sinks
 
 
@@ -438,6 +438,12 @@ def decide(
 # --- commit: marking it committed after Kafka ---------------------------------------------------
 
 
+# The mark is two statements sent in one round trip with their transaction's BEGIN and COMMIT
+# (driver_sql.run_together): the checkpoint locked, then the mark, whose snapshot is taken once
+# the lock is granted (a statement's snapshot is taken before its own lock waits, so one statement
+# could not do both: it would miss what a concurrent finisher committed). The mark reads the
+# checkpoint's state under that lock itself, so nothing waits for the lock's answer.
+#
 # The mark's transaction commits asynchronously (synchronous_commit off for it alone): it records
 # what Kafka already holds, so losing it in a Postgres crash leaves the decision COMMITTING, and
 # whoever finds it (recovery, the next begin, a resume) commits again on Kafka, which answers a
@@ -446,57 +452,55 @@ def decide(
 # to it, so nothing that depends on it (an id it freed, leased again) outlives a crash without it.
 # The decision and the leases stay synchronous: they are the durable facts (docs/design.md, step 5).
 _LOCK_CHECKPOINT_FOR_MARK = DriverStatement(
-    f"SELECT {_names(checkpoints)}, clock_timestamp() AS db_now, "
-    "set_config('synchronous_commit', 'off', true) AS synchronous_commit "
+    f"SELECT {_names(checkpoints)}, set_config('synchronous_commit', 'off', true) AS synchronous_commit "
     "FROM checkpoints WHERE id = :checkpoint_id FOR UPDATE"
 )
 
 
-def lock_checkpoint_for_mark(conn: Connection, checkpoint_id: int) -> tuple[Checkpoint, datetime]:
-    """The checkpoint locked, the database's clock after the lock, and this transaction's commit
-    made asynchronous (the transaction must write only the committed mark)."""
-    row = _LOCK_CHECKPOINT_FOR_MARK.one(conn, {"checkpoint_id": checkpoint_id})
-    return Checkpoint.from_mapping(row), row["db_now"]
-
-
 # Winners Kafka committed: COMMITTING -> COMMITTED, their ids FREE again at once; and, when the
-# caller found the checkpoint COMMITTING under its lock (`:finish`), the attempt and checkpoint
-# COMMITTING -> COMMITTED in the same statement if no other winner of the attempt is still
-# COMMITTING. That guard restates the service's rule so the mark costs no round trip of its own;
-# the statement checks (coordinator_assert) that the checkpoint was marked if and only if `:finish`
-# and no winner of the attempt is left COMMITTING, since it may commit with its transaction. Winners that are first tries on
-# the attempt's row are COMMITTED by the attempt's own mark (they are all of its winners: any
-# other kind of commit materialised them first), and their ids are freed only with it. With
-# `:event_actor`, the mark also records a checkpoint_committed event. The answer is the marked
-# checkpoint and attempt's row (if marked), then the id of each lease row this statement marked,
-# then every other lease of the checkpoint as the statement's snapshot shows it (FULL JOIN ON
-# false; not the first tries on the row this marked, which the caller holds). The ids are found by the two sets, not joined
-# pair by pair: a join's plan trusts the statistics of `state = 'LEASED'` (almost no row, after an
-# ANALYZE), and with 40,000 ids of other sinks it scanned them all and re-read the pairs once per
-# id (a 200-partition mark: 17.7 ms, against 6.7 then). The sets match the pairs: each done lease
-# names its id, and that id, held for an unresolved lease, cannot have been freed and leased to
-# another.
+# checkpoint is COMMITTING under the lock the statement before took (`k.finish`), the attempt and
+# checkpoint COMMITTING -> COMMITTED in the same statement if no other winner of the attempt is
+# still COMMITTING. That guard restates the service's rule so the mark costs no round trip of its
+# own; the statement checks (coordinator_assert) that the checkpoint was marked if and only if
+# `finish` and no winner of the attempt is left COMMITTING, since it commits with its transaction.
+# Winners that are first tries on the attempt's row are COMMITTED by the attempt's own mark (they
+# are all of its winners: any other kind of commit materialised them first), and their ids are
+# freed only with it. With `:event_actor`, the mark also records a checkpoint_committed event. The
+# time it writes is the caller's, or the database's clock as the statement starts (after the
+# lock). The answer is the marked checkpoint and attempt's row (if marked), then the id of each
+# lease row this statement marked, then every other lease of the checkpoint as the statement's
+# snapshot shows it (FULL JOIN ON false; not the first tries on the row this marked, which the
+# caller holds). The ids are found by the two sets, not joined pair by pair: a join's plan trusts
+# the statistics of `state = 'LEASED'` (almost no row, after an ANALYZE), and with 40,000 ids of
+# other sinks it scanned them all and re-read the pairs once per id (a 200-partition mark:
+# 17.7 ms, against 6.7 then). The sets match the pairs: each done lease names its id, and that
+# id, held for an unresolved lease, cannot have been freed and leased to another.
 _MARK_COMMITTED = DriverStatement(f"""
-WITH u AS (
-    UPDATE lease_rows SET state = 'COMMITTED', resolved_at = :now
+WITH n AS MATERIALIZED (
+    SELECT COALESCE(CAST(:now AS timestamptz), clock_timestamp()) AS now
+), k AS MATERIALIZED (
+    SELECT state = 'COMMITTING' AS finish FROM checkpoints WHERE id = :checkpoint_id
+), u AS (
+    UPDATE lease_rows SET state = 'COMMITTED', resolved_at = (SELECT now FROM n)
     WHERE id = ANY(CAST(:done AS bigint[])) AND state = 'COMMITTING' RETURNING *
 ), a AS (
-    UPDATE attempts SET state = 'COMMITTED', finished_at = :now
-    WHERE id = :attempt_id AND state = 'COMMITTING' AND CAST(:finish AS boolean)
+    UPDATE attempts SET state = 'COMMITTED', finished_at = (SELECT now FROM n)
+    WHERE id = :attempt_id AND state = 'COMMITTING' AND (SELECT finish FROM k)
     AND NOT EXISTS (SELECT 1 FROM leases WHERE attempt_id = :attempt_id AND state = 'COMMITTING'
                     AND id <> ALL(CAST(:done AS bigint[])))
     RETURNING *
 ), t AS (
-    UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = :now, reusable_at = NULL
+    UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = (SELECT now FROM n),
+        reusable_at = NULL
     WHERE t.transactional_id = ANY(CAST(:done_ids AS text[])) AND t.lease_id = ANY(CAST(:done AS bigint[]))
     AND t.state = 'LEASED' AND (t.lease_id IN (SELECT id FROM u) OR EXISTS (SELECT 1 FROM a))
 ), c AS (
-    UPDATE checkpoints SET state = 'COMMITTED', committed_at = :now
+    UPDATE checkpoints SET state = 'COMMITTED', committed_at = (SELECT now FROM n)
     WHERE id = :checkpoint_id AND state = 'COMMITTING' AND EXISTS (SELECT 1 FROM a)
     RETURNING *
 ), ev AS (
     INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
-    SELECT :sink_id, :checkpoint_id, :now, 'checkpoint_committed', CAST(:event_actor AS text),
+    SELECT :sink_id, :checkpoint_id, (SELECT now FROM n), 'checkpoint_committed', CAST(:event_actor AS text),
            CAST(:detail AS jsonb) FROM a, c
     WHERE CAST(:event_actor AS text) IS NOT NULL
 ), x AS (
@@ -504,9 +508,10 @@ WITH u AS (
     AND NOT (attempt_id = :attempt_id AND id = ANY(CAST(:done AS bigint[]))
              AND EXISTS (SELECT 1 FROM a WHERE a.first_tids IS NOT NULL))
 )
-SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')}, u.id AS u_id, {_cols(leases, 'x', 'x_')}
-FROM (SELECT coordinator_assert(
-    (SELECT count(*) FROM c) = CASE WHEN CAST(:finish AS boolean) AND NOT EXISTS (
+SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')}, u.id AS u_id, {_cols(leases, 'x', 'x_')},
+    checked.now AS mark_now
+FROM (SELECT (SELECT now FROM n) AS now, coordinator_assert(
+    (SELECT count(*) FROM c) = CASE WHEN (SELECT finish FROM k) AND NOT EXISTS (
         SELECT 1 FROM x WHERE x.attempt_id = :attempt_id AND x.state = 'COMMITTING') THEN 1 ELSE 0 END,
     'the checkpoint or attempt changed state under the lock of the checkpoint')) AS checked
 LEFT JOIN ((c CROSS JOIN a) FULL JOIN (SELECT id FROM u) AS u ON false FULL JOIN x ON false) ON true
@@ -515,33 +520,42 @@ ORDER BY COALESCE(u.id, x.id) NULLS FIRST
 
 
 class MarkedCommitted(NamedTuple):
+    checkpoint: Checkpoint  # as found under its lock, before the mark
     leases: list[Lease]  # every lease of the checkpoint, after the change
     marked: tuple[Checkpoint, Attempt] | None  # the checkpoint and attempt if this marked them COMMITTED
+    now: datetime  # the time the mark wrote
 
 
 def mark_committed(
-    conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, done: Sequence[Lease], now: datetime,
-    finish: bool, event_actor: str | None, event_detail: dict[str, Any], commit: bool = False,
+    conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, done: Sequence[Lease],
+    now: datetime | None, event_actor: str | None, event_detail: dict[str, Any],
 ) -> MarkedCommitted:
-    """Winners `done` (COMMITTING leases, as read) committed; with `finish`, the checkpoint too if
-    none of its winners is left COMMITTING. With `event_actor`, that mark also records a
-    checkpoint_committed event (a commit finished after its decision's call, e.g. by recovery);
-    without, the checkpoint row (committed_at) is the record. A COMMITTING lease changes no field
-    but its state until it ends, so a winner this marks is its lease as read, now COMMITTED; one
-    another finisher marked first comes back as it is. With `commit`, the transaction commits with
-    this statement (its last)."""
+    """Winners `done` (COMMITTING leases, as read) committed, and the checkpoint too if it is
+    COMMITTING under its lock and none of its winners is left COMMITTING, in a transaction of its
+    own: conn's must not have begun, and is committed when this returns. With `event_actor`, that
+    mark also records a checkpoint_committed event (a commit finished after its decision's call,
+    e.g. by recovery); without, the checkpoint row (committed_at) is the record. A COMMITTING lease
+    changes no field but its state until it ends, so a winner this marks is its lease as read, now
+    COMMITTED; one another finisher marked first comes back as it is. `now`: the time to write, or
+    None for the database's clock after the lock."""
     require_transition(LeaseState.COMMITTING, LeaseState.COMMITTED)
     require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
-    if finish:
-        require_transition(AttemptState.COMMITTING, AttemptState.COMMITTED)
-        require_transition(CheckpointState.COMMITTING, CheckpointState.COMMITTED)
-    rows = _MARK_COMMITTED.rows(conn, {
-        "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "done": int_array([x.id for x in done]),
-        "done_ids": text_array([x.transactional_id for x in done]),  # a lease's id never changes: no join to leases
-        "now": now, "finish": finish, "event_actor": event_actor, "detail": _json(event_detail),
-    }, commit=commit)
+    require_transition(AttemptState.COMMITTING, AttemptState.COMMITTED)
+    require_transition(CheckpointState.COMMITTING, CheckpointState.COMMITTED)
+    if transaction_started(conn):  # its synchronous_commit would apply to what came before
+        raise ValueError("the committed mark is a transaction of its own")
+    (locked,), rows = run_together(conn, (
+        (_LOCK_CHECKPOINT_FOR_MARK, {"checkpoint_id": checkpoint_id}),
+        (_MARK_COMMITTED, {
+            "sink_id": sink_id, "checkpoint_id": checkpoint_id, "attempt_id": attempt_id,
+            "done": int_array([x.id for x in done]),
+            "done_ids": text_array([x.transactional_id for x in done]),  # a lease's id never changes: no join to leases
+            "now": now, "event_actor": event_actor, "detail": _json(event_detail),
+        }),
+    ), commit=True)
+    now = now or rows[0]["mark_now"]
     marked = None
-    if rows and rows[0]["c_id"] is not None:
+    if rows[0]["c_id"] is not None:
         marked = Checkpoint.from_mapping(rows[0], "c_"), Attempt.from_mapping(rows[0], "a_")
     by_id = {x.id: x for x in done}
     after = [
@@ -554,4 +568,4 @@ def mark_committed(
         on_row = [x.with_changes(state=LeaseState.COMMITTED, resolved_at=now) for x in done if x.id not in answered]
         if on_row:
             after = sorted(after + on_row, key=lambda x: x.id)
-    return MarkedCommitted(after, marked)
+    return MarkedCommitted(Checkpoint.from_mapping(locked), after, marked, now)

@@ -89,7 +89,7 @@ def seed_history(url: str, tag: str, checkpoints: int, partitions: int = 4, ids:
             "decided_at, finished_at, job_ms, first_tids, first_deadline_at, first_records) "
             "SELECT id, sink_id, 1, 1, 'COMMITTED', %(p)s, now(), now(), now(), 5, "
             "ARRAY(SELECT %(prefix)s || p FROM generate_series(0, %(p)s - 1) p), now(), "
-            "(SELECT jsonb_agg(jsonb_build_array(1000 + p, 0, 100, 10000, 5, '[[\"history\", 0, 0]]'::jsonb) "
+            "(SELECT json_agg(json_build_array(1000 + p, 0, 100, 10000, 5, '[[\"history\",0,0]]'::json) "
             " ORDER BY p) FROM generate_series(0, %(p)s - 1) p) "
             "FROM checkpoints WHERE sink_id = %(sink)s",
             {"p": partitions, "prefix": name + ".", "sink": sink_id})

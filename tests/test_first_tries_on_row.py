@@ -29,7 +29,7 @@ def start(c: Coordinator) -> int:
 
 def record(partition: int) -> PrecommitRecord:
     # partition 1's offsets name a topic that is not ASCII (not a Kafka name): its stored text is
-    # jsonb's (UTF-8), which json.dumps would write otherwise (\u escapes)
+    # the text the coordinator sent (UTF-8, compact), which json.dumps would write otherwise
     extra = [["tōpic", 0, 5]] if partition == 1 else []
     return PrecommitRecord(3000 + partition, 1, 10 + partition, 100, 4, [["out", partition, 70], *extra])
 
@@ -58,7 +58,8 @@ def test_the_common_path_writes_no_lease_row_and_the_views_show_every_lease(coor
     assert [x.state for x in after] == [LeaseState.COMMITTED, LeaseState.COMMITTED, LeaseState.ABORTED]
     assert [(x.producer_id, x.producer_epoch, x.records, x.bytes, x.write_ms) for x in after[:2]] == [
         (3000, 1, 10, 100, 4), (3001, 1, 11, 100, 4)]
-    assert after[0].first_offsets == '[["out", 0, 70]]' and after[2].producer_id is None
+    assert after[0].first_offsets == '[["out",0,70]]' and after[2].producer_id is None
+    assert after[1].first_offsets == '[["out",1,70],["tōpic",0,5]]'  # as sent: json keeps the text (0015)
     assert all(x.resolved_at is not None for x in after)
     assert sorted(answer.winners, key=lambda w: w.id) == after[:2]  # the winners answered: as stored
     assert [str(v) for v in check_invariants(coordinator.snapshot(), settled=True)] == []

@@ -44,7 +44,7 @@ def _add_resolved_history(engine: Engine, sink_id: int, generation: int) -> None
             "INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at, "
             "decided_at, finished_at, first_tids, first_deadline_at, first_records) "
             "SELECT id, sink_id, 1, :gen, 'COMMITTED', 2, now(), now(), now(), ARRAY['clicks-eos-0', 'clicks-eos-1'], "
-            "now(), CAST('[[1, 0, 5, 50, 3, null], null]' AS jsonb) "
+            "now(), CAST('[[1, 0, 5, 50, 3, null], null]' AS json) "
             "FROM checkpoints WHERE sink_id = :sink AND batch_id >= 1000"
         ), {"sink": sink_id, "gen": generation})
         conn.execute(text(

@@ -56,6 +56,16 @@ def test_tables_updated_per_batch_leave_room_for_hot_updates(engine):
     assert options == {t: ["fillfactor=80"] for t in ("checkpoints", "attempts", "lease_rows", "transactional_ids")}
 
 
+def test_the_decisions_records_are_stored_as_sent_and_uncompressed(engine):
+    """json, not jsonb, and no compression (migration 0015): written at every decision, read rarely."""
+    with engine.connect() as conn:
+        stored = conn.exec_driver_sql(
+            "SELECT format_type(atttypid, atttypmod), attstorage FROM pg_attribute "
+            "WHERE attrelid = 'attempts'::regclass AND attname = 'first_records'"
+        ).one()
+    assert tuple(stored) == ("json", "e")
+
+
 def test_state_columns_only_take_their_machine_states(engine):
     insp = inspect(engine)
     for table in ("checkpoints", "attempts", "lease_rows", "transactional_ids"):

@@ -150,7 +150,7 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
     # variant without the guard marks the attempt with a winner left, fails, and commits nothing
     unguarded = _source(hot_path._MARK_COMMITTED)
     guard = re.search(r"AND NOT EXISTS \(SELECT 1 FROM leases WHERE attempt_id = :attempt_id AND state = "
-                      r"'COMMITTING'\s+AND id <> ALL\(CAST\(:done AS bigint\[\]\)\)\)", unguarded)
+                      r"'COMMITTING'\s+AND id NOT IN \(SELECT unnest\(CAST\(:done AS bigint\[\]\)\)\)\)", unguarded)
     assert guard is not None
     with pytest.raises(DBAPIError, match="coordinator_assert: the checkpoint or attempt"):
         with monkeypatch.context() as patched:

@@ -484,7 +484,7 @@ WITH n AS MATERIALIZED (
     UPDATE attempts SET state = 'COMMITTED', finished_at = (SELECT now FROM n)
     WHERE id = :attempt_id AND state = 'COMMITTING' AND (SELECT finish FROM k)
     AND NOT EXISTS (SELECT 1 FROM leases WHERE attempt_id = :attempt_id AND state = 'COMMITTING'
-                    AND id <> ALL(CAST(:done AS bigint[])))
+                    AND id NOT IN (SELECT unnest(CAST(:done AS bigint[]))))
     RETURNING *
 ), t AS (
     UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = (SELECT now FROM n),

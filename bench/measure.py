@@ -273,25 +273,30 @@ _IDLE = TransactionStatus.IDLE
 
 class SqlCounter:
     """Counts the statements an engine sends, its pool checkouts, and the round trips to Postgres:
-    each statement, plus the BEGIN psycopg sends before a transaction's first SQLAlchemy statement
-    (a driver statement carries its BEGIN), plus the COMMIT or ROLLBACK that ends a transaction
-    still open (one a driver statement committed with itself has nothing left to end)."""
+    each SQLAlchemy statement, plus the BEGIN psycopg sends before a transaction's first SQLAlchemy
+    statement, plus each send of the driver's statements (`driver_sql._execute`: one round trip
+    for the statements it runs together, with a BEGIN and a COMMIT they carry), plus the COMMIT or
+    ROLLBACK that ends a transaction still open (one a driver statement committed with itself has
+    nothing left to end)."""
 
     def __init__(self, engine: Any) -> None:
         from sqlalchemy import event
 
-        self.statements = self.checkouts = self.begins = self.ends = 0
+        self.statements = self.sqlalchemy_statements = self.checkouts = self.begins = self.ends = self.driver_sends = 0
         event.listen(engine, "before_cursor_execute", self._statement)
         event.listen(engine, "checkout", self._checkout)
         event.listen(engine, "commit", self._end)
         event.listen(engine, "rollback", self._end)
         event.listen(engine.pool, "reset", self._reset)
+        _count_driver_sends(self)
 
     def _statement(self, conn: Any, cursor: Any, *_: Any) -> None:
         self.statements += 1
         raw = conn.connection.driver_connection
-        if cursor is not None and not raw.autocommit and raw.pgconn.transaction_status == _IDLE:
-            self.begins += 1
+        if cursor is not None:
+            self.sqlalchemy_statements += 1
+            if not raw.autocommit and raw.pgconn.transaction_status == _IDLE:
+                self.begins += 1
 
     def _checkout(self, *_: Any) -> None:
         self.checkouts += 1
@@ -304,10 +309,40 @@ class SqlCounter:
             self.ends += 1
 
     def reset(self) -> None:
-        self.statements = self.checkouts = self.begins = self.ends = 0
+        self.statements = self.sqlalchemy_statements = self.checkouts = self.begins = self.ends = self.driver_sends = 0
 
     def round_trips(self) -> int:
-        return self.statements + self.begins + self.ends
+        return self.sqlalchemy_statements + self.driver_sends + self.begins + self.ends
+
+    def close(self) -> None:
+        """Stop counting the driver's sends (the last counter of the process unwraps them)."""
+        from coordinator.store import driver_sql
+
+        _driver_counters.remove(self)
+        if not _driver_counters:
+            driver_sql._execute = driver_sql._execute.unwrapped
+
+
+_driver_counters: list[SqlCounter] = []
+
+
+def _count_driver_sends(counter: SqlCounter) -> None:
+    """Count each send of driver statements (a stale session's check of what it prepared is one
+    more) into every SqlCounter of this process: `driver_sql._execute` wrapped once."""
+    from coordinator.store import driver_sql
+
+    _driver_counters.append(counter)
+    if getattr(driver_sql._execute, "counted", False):
+        return
+    execute = driver_sql._execute
+
+    def counted(session: Any, statements: Any, commit: bool) -> Any:
+        for c in _driver_counters:
+            c.driver_sends += 1 + session.stale
+        return execute(session, statements, commit)
+
+    counted.counted, counted.unwrapped = True, execute  # type: ignore[attr-defined]
+    driver_sql._execute = counted
 
 
 # --- latency -----------------------------------------------------------------------------------

@@ -114,7 +114,8 @@ def test_cpu_snapshot_charges_a_busy_server_process_to_the_server() -> None:
 def test_sql_counter_counts_statements_and_checkouts(engine) -> None:  # noqa: ANN001 - conftest's fixture
     from sqlalchemy import text
 
-    from coordinator.store.driver_sql import DriverStatement
+    from coordinator.store import driver_sql
+    from coordinator.store.driver_sql import DriverStatement, run_together
 
     counter = measure.SqlCounter(engine)
     with engine.begin() as conn:  # BEGIN, 2 statements, COMMIT
@@ -130,6 +131,13 @@ def test_sql_counter_counts_statements_and_checkouts(engine) -> None:  # noqa: A
     with engine.begin() as conn:  # the BEGIN with the first statement, then COMMIT
         DriverStatement("SELECT 3 AS three").rows(conn, {})
     assert (counter.statements, counter.checkouts, counter.round_trips()) == (3, 2, 4)
+    counter.reset()
+    with engine.begin() as conn:  # BEGIN, two statements and COMMIT in one send
+        run_together(conn, ((DriverStatement("SELECT 4 AS four"), {}), (DriverStatement("SELECT 5 AS five"), {})),
+                     commit=True)
+    assert (counter.statements, counter.checkouts, counter.round_trips()) == (2, 1, 1)
+    counter.close()  # the driver's sends are no longer counted
+    assert not getattr(driver_sql._execute, "counted", False)
 
 
 def test_floor_measures_committed_updates(database_url: str) -> None:

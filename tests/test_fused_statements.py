@@ -177,6 +177,35 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
                                 done=[left], now=None, event_actor=None, event_detail={})
 
 
+def test_a_finisher_that_finds_the_commit_marked_by_another_answers_it_committed(
+    db_clock_coordinator: Coordinator, kafka: RecordingControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two finishers of one decided commit (a driver's resume and the recovery loop): the second
+    to take the checkpoint's lock finds it COMMITTED. Its mark changes nothing and commits with its
+    statement, so the attempt it answers with is read after that transaction."""
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    begun = c.begin_checkpoint(NAME, 1, gen, "test", partitions=2)
+    results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50)) for x in begun.pre_leases]
+    kafka.fail_next(ControlPlaneError("broker unreachable", retriable=True, code="network_exception"))
+    with pytest.raises(e.Unavailable):  # decided; one winner still to commit on Kafka
+        c.commit(NAME, 1, begun.attempt.number, gen, results, "test")
+    commit_on_kafka, others = kafka.commit, []
+
+    def commit_while_another_finishes(target: Any, txn: Any) -> None:
+        commit_on_kafka(target, txn)
+        if not others:  # between this finisher's Kafka commit and its mark, another finishes
+            others.append(None)
+            others[0] = c.resume(NAME, 1)
+
+    monkeypatch.setattr(kafka, "commit", commit_while_another_finishes)
+    answer = c.resume(NAME, 1)
+    assert others[0].checkpoint.state is CheckpointState.COMMITTED
+    assert answer.checkpoint.state is CheckpointState.COMMITTED and answer.attempt.state == "COMMITTED"
+    assert sorted(x.state for x in answer.winners) == [LeaseState.COMMITTED] * 2
+    assert answer.attempt.finished_at == others[0].attempt.finished_at  # as the other finisher left it
+
+
 def test_only_the_committed_mark_commits_without_waiting_for_the_wal_flush(
     db_clock_coordinator: Coordinator, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

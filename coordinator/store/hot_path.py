@@ -550,7 +550,8 @@ def mark_committed(
             "now": now, "event_actor": event_actor, "detail": _json(event_detail),
         }),
     ), commit=True)
-    now = now or rows[0]["mark_now"]
+    if now is None:
+        now = rows[0]["mark_now"]
     marked = None
     if rows[0]["c_id"] is not None:
         marked = Checkpoint.from_mapping(rows[0], "c_"), Attempt.from_mapping(rows[0], "a_")

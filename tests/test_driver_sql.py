@@ -410,8 +410,13 @@ def test_statements_run_together_in_one_round_trip_each_with_its_own_snapshot(en
 
             waiting = threading.Thread(target=together)
             waiting.start()
-            time.sleep(0.3)
-            assert not answers  # waiting for the lock
+            with engine.connect() as watcher:  # the pipeline has reached the lock and waits there
+                deadline = time.monotonic() + 10
+                while not watcher.execute(text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")).scalar_one():
+                    assert time.monotonic() < deadline, "the first statement never waited for the lock"
+                    time.sleep(0.01)
+            assert not answers
             holder.execute(text("INSERT INTO t VALUES (2, 0)"))
             holder.commit()
             waiting.join(10)

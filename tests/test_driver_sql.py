@@ -341,6 +341,83 @@ def test_plans_reach_rows_by_index_whatever_the_state_statistics(database_url: s
     assert {s[:120]: found for s, found in scans.items() if found} == {}
 
 
+def test_the_pool_querys_generic_plan_reads_a_sinks_ids_by_index_whatever_the_statistics_saw(engine: Engine) -> None:
+    """Statistics taken while one sink had all the ids (a first large sink) say any sink has them
+    all: the generic plan of the pool query then scanned the whole table (~4 ms per begin at
+    40,000 ids). Migration 0016 tells the planner a sink has a few ids."""
+    from coordinator.store.repo import _FREE_IDS
+
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO sinks (name, transactional_id_prefix, bootstrap_servers, topics, "
+                          "transaction_timeout_ms, commit_margin_ms, max_pool_size, generation, created_at, "
+                          "writer_token_version) SELECT 'large-' || g, 'large-' || g || '-', 'kafka:9092', '[]', "
+                          "60000, 5000, 50000, 0, now(), 0 FROM generate_series(1, 2) g"))
+        conn.execute(text("INSERT INTO transactional_ids (sink_id, ordinal, transactional_id, state, released_at) "
+                          "SELECT s.id, g, s.transactional_id_prefix || g, 'FREE', now() "
+                          "FROM sinks s, generate_series(0, 29999) g WHERE s.name = 'large-1'"))
+    with engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("ANALYZE transactional_ids"))
+        raw = conn.connection.driver_connection
+        raw.execute(f"PREPARE pool AS {_FREE_IDS._query.decode()}")
+        raw.execute("SET plan_cache_mode = force_generic_plan")
+        (other,) = raw.execute("SELECT id FROM sinks WHERE name = 'large-2'").fetchone()
+        plan = "\n".join(r[0] for r in raw.execute(f"EXPLAIN EXECUTE pool({other}, now(), 2)"))
+    assert "Index Scan using uq_transactional_ids_sink_id_ordinal" in plan and "Seq Scan" not in plan, plan
+
+
+def test_no_statement_of_a_batch_is_planned_anew_at_each_run(database_url: str) -> None:
+    """Postgres plans a prepared statement for the values given (a custom plan) at each of its
+    first five runs, then keeps doing so whenever it estimates its generic plan costlier; the
+    statements it did that for run their generic plan (`generic_plan`). Over a history (3,000
+    committed batches and 20,000 ids of another sink), 12 batches of 2, then of 40 partitions, on
+    one session: no driver statement got more than its first five custom plans, and the statements
+    that force their generic plan got none."""
+    from coordinator.kafka.control_plane import RecordingControlPlane
+    from coordinator.service import Limits
+    from coordinator.store.db import sqlalchemy_url
+    from coordinator.store.hot_path import _DECIDE_FIRST_TRIES, _NEW_ATTEMPT
+    from coordinator.store.repo import _FREE_IDS
+    from sqlalchemy import create_engine
+
+    from bench.measure import seed_history
+
+    seed_history(database_url, "plans", checkpoints=3000, partitions=4, ids=20_000)
+    engine = create_engine(sqlalchemy_url(database_url), pool_size=1, max_overflow=0)  # one session to look at
+    c = Coordinator(engine, RecordingControlPlane(), limits=Limits(max_partitions=256))
+    try:
+        c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
+        generation, _ = c.start_generation(NAME, "q", "r", "test")
+        for batch_id in range(24):
+            _cycle(c, generation, batch_id, 2 if batch_id < 12 else 40)
+        with engine.connect() as conn:
+            plans = {statement: (generic, custom) for statement, generic, custom in conn.exec_driver_sql(
+                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
+                "WHERE starts_with(name, 'driver_sql_')")}
+    finally:
+        c.close()
+        engine.dispose()
+    forced = {s._query.decode(): s for s in (_FREE_IDS, _NEW_ATTEMPT, _DECIDE_FIRST_TRIES)}
+    assert set(forced) <= set(plans)
+    assert {s[:100]: n for s, n in plans.items() if n[1] > (0 if s in forced else 5)} == {}
+    assert all(plans[s][0] >= 24 for s in forced)
+
+
+def test_a_generic_plan_statement_runs_its_generic_plan_and_only_it(engine: Engine) -> None:
+    """The setting is the transaction's for that statement alone: the next statement of the same
+    send, and a statement of SQLAlchemy's after it, see the session's own; and with the COMMIT
+    sent after it, the session's setting is as before."""
+    setting = "SELECT current_setting('plan_cache_mode') AS mode"
+    generic, plain = DriverStatement(setting, generic_plan=True), DriverStatement(setting)
+    with engine.connect() as conn:
+        with conn.begin():
+            assert [rows[0]["mode"] for rows in run_together(conn, [(generic, {}), (plain, {})])] \
+                == ["force_generic_plan", "auto"]
+            assert conn.execute(text(setting)).scalar_one() == "auto"
+        with conn.begin():
+            assert generic.one(conn, {}, commit=True)["mode"] == "force_generic_plan"
+        assert conn.execute(text(setting)).scalar_one() == "auto"
+
+
 @contextmanager
 def _sends(conn: Any) -> Iterator[list[list[str]]]:
     """What the client sends on conn's session, from libpq's protocol trace: one list of messages

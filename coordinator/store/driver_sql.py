@@ -184,6 +184,10 @@ def _begin_command(raw: psycopg.Connection[Any]) -> bytes:
 
 _SEND_QUERY, _SEND_PREPARE, _SEND_EXECUTE = b"query", b"prepare", b"execute"
 
+# around a statement that runs its generic plan (DriverStatement's generic_plan); prepared like it
+_GENERIC_PLAN = b"SET LOCAL plan_cache_mode = force_generic_plan"
+_PLAN_AS_BEFORE = b"SET LOCAL plan_cache_mode TO DEFAULT"
+
 
 def _flush(pgconn: pq.abc.PGconn) -> None:
     """Send everything queued. psycopg keeps its connections non-blocking, so a pipeline's sends
@@ -274,11 +278,21 @@ def _pipelined(pgconn: pq.abc.PGconn, commands: list[tuple[bytes, Any]]) -> list
 
 
 class DriverStatement:
-    """One fixed statement, written with SQLAlchemy's `:name` parameters (as in `text()`)."""
+    """One fixed statement, written with SQLAlchemy's `:name` parameters (as in `text()`).
 
-    __slots__ = ("sql", "_query", "_params", "_formats", "_row_types")
+    `generic_plan`: the statement always runs its generic plan, planned once per session. Postgres
+    plans a prepared statement anew at every execution (a custom plan, for the values given) when
+    it estimates the generic plan costlier than the custom ones, which it does for statements over
+    arrays of unknown length and for the pool's query (its `LIMIT`), and that planning was ~15% of
+    Postgres' CPU on the hot path. Such a statement's execution is sent between a
+    `SET LOCAL plan_cache_mode = force_generic_plan` and a `SET LOCAL ... TO DEFAULT` (the latter
+    left out when the COMMIT follows it), in the same round trip; its generic plan is the one
+    tests/test_driver_sql.py looks at."""
 
-    def __init__(self, sql: str) -> None:
+    __slots__ = ("sql", "generic_plan", "_query", "_params", "_formats", "_row_types")
+
+    def __init__(self, sql: str, *, generic_plan: bool = False) -> None:
+        self.generic_plan = generic_plan
         if "%" in sql:
             raise ValueError("a driver statement must not contain '%' (psycopg's placeholder character)")
         # as psycopg would show it (the listeners and error messages get this form) ...
@@ -378,37 +392,49 @@ def _execute(
             session.stale = False
         begin = pgconn.transaction_status == _IDLE and not raw.autocommit
         commands: list[tuple[bytes, Any]] = []  # sent in one round trip
-        roles: list[tuple[int, Any, bytes | None]] = []  # per command: its statement, and what it prepares
-        if begin:
-            commands.append((_SEND_QUERY, _begin_command(raw)))
-            roles.append((0, None, None))
-        for i, (statement, params) in enumerate(statements):
-            values = tx.dump_sequence([params[name] for name in statement._params], statement._formats)
-            key = (statement._query, tuple(tx.types))
+        # per command: the caller's statement it belongs to, what it prepares, whether it answers
+        roles: list[tuple[int, Any, bytes | None, bool]] = []
+
+        def execute(i: int, query: bytes, values: Any, answers: bool) -> None:
+            key = (query, tuple(tx.types))
             name = session.prepared.get(key)
-            if name is not None and not begin and not commit and len(statements) == 1:
-                return [_checked(raw, pgconn.exec_prepared(name, values, tx.formats))]
             if name is None:
                 name = b"driver_sql_%d" % next(_statement_numbers)
-                commands.append((_SEND_PREPARE, (name, statement._query, key[1])))
-                roles.append((i, key, name))
+                commands.append((_SEND_PREPARE, (name, query, key[1])))
+                roles.append((i, key, name, False))
             commands.append((_SEND_EXECUTE, (name, values, list(tx.formats))))
-            roles.append((i, None, None))
+            roles.append((i, None, None, answers))
+
+        if begin:
+            commands.append((_SEND_QUERY, _begin_command(raw)))
+            roles.append((0, None, None, False))
+        last = len(statements) - 1
+        for i, (statement, params) in enumerate(statements):
+            generic = statement.generic_plan and not raw.autocommit  # SET LOCAL needs a transaction
+            if generic:
+                execute(i, _GENERIC_PLAN, tx.dump_sequence((), ()), False)
+            values = tx.dump_sequence([params[name] for name in statement._params], statement._formats)
+            name = session.prepared.get((statement._query, tuple(tx.types)))
+            if name is not None and not begin and not commit and not generic and len(statements) == 1:
+                return [_checked(raw, pgconn.exec_prepared(name, values, tx.formats))]
+            execute(i, statement._query, values, True)
+            if generic and not (commit and i == last):
+                execute(i, _PLAN_AS_BEFORE, tx.dump_sequence((), ()), False)
         if commit:
             commands.append((_SEND_QUERY, b"COMMIT"))
-            roles.append((0, None, None))
+            roles.append((0, None, None, False))
         results = _pipelined(pgconn, commands)
     except psycopg.Error as exc:
         raise _StatementFailed(exc, 0) from exc
-    for (_, key, name), r in zip(roles, results):
+    for (_, key, name, _), r in zip(roles, results):
         if key is not None and r.status == pq.ExecStatus.COMMAND_OK:
             session.prepared[key] = name
     answers = []
-    for (i, key, _), (kind, _), r in zip(roles, commands, results):
+    for (i, _, _, answers_caller), r in zip(roles, results):
         try:  # the first failure is the error: the commands after it did not run
             _checked(raw, r)
         except psycopg.Error as exc:
             raise _StatementFailed(exc, i) from exc
-        if kind is _SEND_EXECUTE:
+        if answers_caller:
             answers.append(r)
     return answers

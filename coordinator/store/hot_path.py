@@ -183,7 +183,7 @@ SELECT {_cols(attempt_columns, 'a', 'a_')}, clock_timestamp() AS db_now,
     coordinator_assert((SELECT count(*) FROM c) = 1 AND (SELECT count(*) FROM t) = :ids_taken,
                        'the checkpoint or a taken id changed under the locks of begin') AS checked
 FROM a
-""")
+""", generic_plan=True)
 
 
 class NewAttempt(NamedTuple):
@@ -366,7 +366,7 @@ SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')}
 FROM (SELECT coordinator_assert((SELECT count(*) FROM c) = 1 AND (SELECT count(*) FROM a) = 1,
                                 'the checkpoint or attempt changed state under the locks of the decision')) AS checked
 LEFT JOIN (c CROSS JOIN a) ON true
-""")
+""", generic_plan=True)
 
 
 def decide(

@@ -335,14 +335,16 @@ def materialize_first_tries(conn: Connection, attempt_ids: Iterable[int]) -> Non
 # the pool's hot query (begin, a retry's lease): run on the driver's connection, see driver_sql.
 # It reads the sink's ids (by its unique (sink_id, ordinal)) and sorts them: an index on
 # released_at would make every free a non-HOT update (migration 0013), and a sink's pool is about
-# its partition count.
+# its partition count. It runs its generic plan: planned for any sink, which reads the sink's ids by
+# that index only because the planner is told a sink has a few ids (migration 0016); one sink with
+# most of the table's ids would otherwise make it scan the table.
 _FREE_IDS = DriverStatement("""
 SELECT id, transactional_id FROM transactional_ids
 WHERE sink_id = :sink_id AND state = 'FREE' AND (reusable_at IS NULL OR reusable_at <= :now)
 ORDER BY released_at, ordinal
 LIMIT :n
 FOR UPDATE SKIP LOCKED
-""")
+""", generic_plan=True)
 
 
 def take_free_transactional_ids(conn: Connection, sink: Sink, n: int, now: datetime, prefix_for: Any) -> list[tuple[int, str]]:

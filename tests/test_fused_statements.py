@@ -87,6 +87,43 @@ def test_a_new_batch_is_created_and_read_in_one_statement_an_existing_one_in_two
     assert again.head.open_attempt_ids == [open_one.attempt.id]
 
 
+def _commit_batch(c: Coordinator, gen: int, batch_id: int, partitions: int) -> None:
+    begun = c.begin_checkpoint(NAME, batch_id, gen, "test", partitions=partitions)
+    results = [PartitionResult(x.partition, x.id, PrecommitRecord(100 + x.partition, 0, 1, 10)) for x in begun.pre_leases]
+    assert c.commit(NAME, batch_id, begun.attempt.number, gen, results, "test").checkpoint.state is CheckpointState.COMMITTED
+
+
+def test_a_new_batchs_begin_sends_the_pool_query_with_its_first_statement(
+    db_clock_coordinator: Coordinator, engine: Engine
+) -> None:
+    """Begin is two round trips for a new batch: its first statement with the pool's query, then
+    the new attempt with its COMMIT. The pool's query locks ids only for a checkpoint without an
+    attempt yet: sent with a retried begin's first statement, it locks none."""
+    from bench.measure import SqlCounter
+
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    _commit_batch(c, gen, 1, partitions=3)  # the pool now has 3 FREE ids
+    with engine.begin() as conn:  # committed: a rollback would cost the next send a check of what is prepared
+        free = {tid for (tid,) in conn.execute(select(transactional_ids.c.transactional_id))}
+    counter = SqlCounter(engine)
+    try:
+        begun = c.begin_checkpoint(NAME, 2, gen, "test", partitions=2)
+        assert counter.round_trips() == 2 and counter.statements == 3, vars(counter)
+    finally:
+        counter.close()
+    taken = {x.transactional_id for x in begun.pre_leases}
+    assert len(taken) == 2 and taken < free  # locked in the first statement's round trip
+
+    with engine.begin() as conn:  # batch 2 again: it has an attempt, so the FREE id left is not locked
+        again = hot_path.begin_head(conn, NAME, 2, None, None, ids=2)
+        assert again is not None and again.locked_ids == []
+    with engine.begin() as conn:  # a new batch: it is
+        new = hot_path.begin_head(conn, NAME, 3, None, None, ids=2)
+        assert new is not None and [t for _, t in new.locked_ids] == sorted(free - taken)
+        conn.rollback()
+
+
 def test_begin_through_the_service_new_retried_and_refused(db_clock_coordinator: Coordinator, engine: Engine) -> None:
     c = db_clock_coordinator
     gen, _ = c.start_generation(NAME, "q1", "r1", "test")

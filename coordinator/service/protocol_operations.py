@@ -219,7 +219,8 @@ class ProtocolOperations(Reads):
             fresh.clear()
             # the sink, and the checkpoint (created if new, locked) with what the rest of this step
             # reads; a refusal below rolls a new checkpoint back
-            found = hot_path.begin_head(conn, name, batch_id, given_now(self.clock, conn), offsets_digest)
+            found = hot_path.begin_head(conn, name, batch_id, given_now(self.clock, conn), offsets_digest,
+                                        ids=partitions or 0)
             if found is None or found.sink.retired_at is not None:
                 repo.sink_by_name(conn, name)  # raises the error that says which
                 raise AssertionError("unreachable")
@@ -246,7 +247,8 @@ class ProtocolOperations(Reads):
                     to_abort = self._abort_open_attempts(conn, sink, "superseded", now)
                 number = cp.current_attempt + 1
                 taken = repo.take_free_transactional_ids(
-                    conn, sink, partitions, now, lambda n: rules.transactional_id_for(sink.transactional_id_prefix, n)
+                    conn, sink, partitions, now, lambda n: rules.transactional_id_for(sink.transactional_id_prefix, n),
+                    locked=found.locked_ids,
                 ) if partitions else []
                 made = hot_path.insert_attempt_with_leases(
                     conn, sink=sink, checkpoint_id=cp.id, number=number, generation=generation, partitions=partitions,

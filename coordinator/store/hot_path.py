@@ -36,6 +36,7 @@ from ..protocol.states import (
     require_transition,
 )
 from .driver_sql import DriverStatement, int_array, run_together, text_array, transaction_started
+from .repo import FREE_IDS
 from .tables import FIRST_TRY_ID_BASE, FIRST_TRY_ID_STRIDE, attempt_columns, checkpoints, first_try_lease_id, lease_rows, leases, sinks
 
 
@@ -67,6 +68,7 @@ def _json(value: Any) -> str:
 # reads what the rest of begin needs (no attempt and no lease of its own yet); for an existing one
 # the caller reads that in a statement of its own, whose snapshot is taken after the lock.
 # `inserted` is PostgreSQL's xmax = 0 of the returned version: set by ON CONFLICT's lock otherwise.
+# With a partition count, the pool's query (repo.FREE_IDS) follows it in the same round trip.
 _BEGIN_HEAD = DriverStatement(f"""
 WITH s AS (
     SELECT *, clock_timestamp() AS db_now FROM sinks WHERE name = :name
@@ -124,26 +126,39 @@ class BeginHead(NamedTuple):
     sink: Sink
     db_now: datetime  # the database's clock, read before the checkpoint's lock
     head: CheckpointHead | None  # None: the sink takes no batch (retired, or no query bound)
+    # FREE ids of the sink locked for a checkpoint without an attempt yet (see begin_head)
+    locked_ids: list[tuple[int, str]]
 
 
 def begin_head(
-    conn: Connection, name: str, batch_id: int, now: datetime | None, offsets_digest: str | None
+    conn: Connection, name: str, batch_id: int, now: datetime | None, offsets_digest: str | None, ids: int = 0,
 ) -> BeginHead | None:
     """The sink, the clock and the batch's checkpoint (created or locked) with what begin reads
     next; None if there is no such sink. `now` is the checkpoint's creation time when the clock is
-    not the database's (None: the statement's clock)."""
-    row = _BEGIN_HEAD.first(conn, {"name": name, "batch_id": batch_id, "now": now, "offsets_digest": offsets_digest})
+    not the database's (None: the statement's clock). With `ids`, the pool's query goes in the same
+    round trip: if the checkpoint has no attempt yet (the common case: just created), up to that
+    many FREE ids of the sink are locked for its first tries (`locked_ids`, for
+    take_free_transactional_ids); otherwise none."""
+    head_params = {"name": name, "batch_id": batch_id, "now": now, "offsets_digest": offsets_digest}
+    if ids:
+        heads, locked = run_together(conn, [(_BEGIN_HEAD, head_params), (FREE_IDS, {
+            "sink_name": name, "now": now, "new_batch_id": batch_id, "n": ids,
+        })])
+    else:
+        heads, locked = _BEGIN_HEAD.rows(conn, head_params), []
+    row = heads[0] if heads else None
     if row is None:
         return None
     sink = Sink.from_mapping(row, "s_")
+    taken = [(r[0], r[1]) for r in locked]
     if row["c_id"] is None:
-        return BeginHead(sink, row["db_now"], None)
+        return BeginHead(sink, row["db_now"], None, taken)
     cp = Checkpoint.from_mapping(row, "c_")
     if row["inserted"]:
         head = CheckpointHead(cp, None, list(row["open_attempt_ids"] or ()), list(row["unfinished_ids"] or ()), [])
     else:
         head = _existing_checkpoint_head(conn, sink, cp)
-    return BeginHead(sink, row["db_now"], head)
+    return BeginHead(sink, row["db_now"], head, taken)
 
 
 def _existing_checkpoint_head(conn: Connection, sink: Sink, cp: Checkpoint) -> CheckpointHead:

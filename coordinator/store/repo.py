@@ -332,33 +332,50 @@ def materialize_first_tries(conn: Connection, attempt_ids: Iterable[int]) -> Non
 # --- the transactional id pool ---------------------------------------------------------------
 
 
-# the pool's hot query (begin, a retry's lease): run on the driver's connection, see driver_sql.
-# It reads the sink's ids (by its unique (sink_id, ordinal)) and sorts them: an index on
-# released_at would make every free a non-HOT update (migration 0013), and a sink's pool is about
-# its partition count. It runs its generic plan: planned for any sink, which reads the sink's ids by
-# that index only because the planner is told a sink has a few ids (migration 0016); one sink with
-# most of the table's ids would otherwise make it scan the table.
-_FREE_IDS = DriverStatement("""
+# The pool's query (begin, a retry's lease): run on the driver's connection, see driver_sql. It
+# reads the sink's ids (by its unique (sink_id, ordinal)) and sorts them: an index on released_at
+# would make every free a non-HOT update (migration 0013), and a sink's pool is about its partition
+# count. It runs its generic plan: planned for any sink, which reads the sink's ids by that index
+# only because the planner is told a sink has a few ids (migration 0016); one sink with most of the
+# table's ids would otherwise make it scan the table.
+#
+# The sink is named, not given by id, so begin can send the query with its first statement, in the
+# same round trip (hot_path.begin_head): `:new_batch_id` then limits it to a checkpoint of the
+# sink's query that has no attempt yet (what that statement just created), so a begin that will
+# take no new attempt locks no id. Without `:now`, quarantine ends are compared with the
+# transaction's start, which precedes any time the begin writes.
+FREE_IDS = DriverStatement("""
 SELECT id, transactional_id FROM transactional_ids
-WHERE sink_id = :sink_id AND state = 'FREE' AND (reusable_at IS NULL OR reusable_at <= :now)
+WHERE sink_id = (SELECT id FROM sinks WHERE name = :sink_name) AND state = 'FREE'
+AND (reusable_at IS NULL OR reusable_at <= COALESCE(CAST(:now AS timestamptz), transaction_timestamp()))
+AND (CAST(:new_batch_id AS bigint) IS NULL OR EXISTS (
+    SELECT 1 FROM sinks AS s JOIN checkpoints AS c ON c.sink_id = s.id AND c.query_id = s.lineage_query_id
+    WHERE s.name = :sink_name AND c.batch_id = :new_batch_id AND c.current_attempt = 0 AND c.state = 'OPEN'))
 ORDER BY released_at, ordinal
 LIMIT :n
 FOR UPDATE SKIP LOCKED
 """, generic_plan=True)
 
 
-def take_free_transactional_ids(conn: Connection, sink: Sink, n: int, now: datetime, prefix_for: Any) -> list[tuple[int, str]]:
+def take_free_transactional_ids(
+    conn: Connection, sink: Sink, n: int, now: datetime, prefix_for: Any, locked: Sequence[tuple[int, str]] = (),
+) -> list[tuple[int, str]]:
     """Lock n FREE ids of the sink, least recently released first and none still in quarantine
     (SKIP LOCKED, so concurrent callers never wait on each other), growing the pool for the rest.
-    The rows stay locked by this transaction until it commits.
+    The rows stay locked by this transaction until it commits. `locked`: ids of the sink this
+    transaction already took with FREE_IDS (at most n), the first of those returned.
 
     Growing takes a per-sink advisory lock held to commit, so growers take turns: without it,
     concurrent growers race for the same next ordinals (a spurious pool_exhausted and a racy
     max_pool_size check)."""
-    taken: list[tuple[int, str]] = []
+    taken: list[tuple[int, str]] = list(locked)
+    if len(taken) > n:
+        raise ValueError(f"{len(taken)} ids locked for {n}")
+    if len(taken) == n:
+        return taken
     growing = False
     for _ in range(64):
-        rows = _FREE_IDS.rows(conn, {"sink_id": sink.id, "now": now, "n": n - len(taken)})
+        rows = FREE_IDS.rows(conn, {"sink_name": sink.name, "now": now, "new_batch_id": None, "n": n - len(taken)})
         held = set(taken)  # rows this transaction locked already come back (SKIP LOCKED skips others' only)
         taken += [pair for pair in map(tuple, rows) if pair not in held]
         if len(taken) == n:

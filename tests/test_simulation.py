@@ -315,7 +315,7 @@ def test_checker_catches_re_leasing_an_id_that_holds_an_open_transaction(
 ) -> None:
     original = repo.take_free_transactional_ids
 
-    def leaky(conn, sink, n, now, prefix_for):  # type: ignore[no-untyped-def]
+    def leaky(conn, sink, n, now, prefix_for, locked=()):  # type: ignore[no-untyped-def]
         held = conn.execute(
             select(transactional_ids.c.id, transactional_ids.c.transactional_id)
             .join(leases, leases.c.id == transactional_ids.c.lease_id)
@@ -323,9 +323,9 @@ def test_checker_catches_re_leasing_an_id_that_holds_an_open_transaction(
             .order_by(transactional_ids.c.ordinal).limit(1)
         ).first()
         if held is not None:
-            return [(held.id, held.transactional_id), *original(conn, sink, n - 1, now, prefix_for)] if n > 1 else [
-                (held.id, held.transactional_id)]
-        return original(conn, sink, n, now, prefix_for)
+            rest = original(conn, sink, n - 1, now, prefix_for, locked=list(locked)[:n - 1]) if n > 1 else []
+            return [(held.id, held.transactional_id), *rest]
+        return original(conn, sink, n, now, prefix_for, locked=locked)
 
     monkeypatch.setattr(repo, "take_free_transactional_ids", leaky)
     found = first_violation(engine, FaultConfig(), range(2000, 2040))

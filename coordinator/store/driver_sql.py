@@ -184,9 +184,11 @@ def _begin_command(raw: psycopg.Connection[Any]) -> bytes:
 
 _SEND_QUERY, _SEND_PREPARE, _SEND_EXECUTE = b"query", b"prepare", b"execute"
 
-# around a statement that runs its generic plan (DriverStatement's generic_plan); prepared like it
+# around a statement that runs its generic plan (DriverStatement's generic_plan); prepared like it.
+# After it, the setting is the session's configured one (server, database, role or connection
+# options): the coordinator never SETs it for a session.
 _GENERIC_PLAN = b"SET LOCAL plan_cache_mode = force_generic_plan"
-_PLAN_AS_BEFORE = b"SET LOCAL plan_cache_mode TO DEFAULT"
+_PLAN_AS_CONFIGURED = b"SET LOCAL plan_cache_mode TO DEFAULT"
 
 
 def _flush(pgconn: pq.abc.PGconn) -> None:
@@ -419,7 +421,7 @@ def _execute(
                 return [_checked(raw, pgconn.exec_prepared(name, values, tx.formats))]
             execute(i, statement._query, values, True)
             if generic and not (commit and i == last):
-                execute(i, _PLAN_AS_BEFORE, tx.dump_sequence((), ()), False)
+                execute(i, _PLAN_AS_CONFIGURED, tx.dump_sequence((), ()), False)
         if commit:
             commands.append((_SEND_QUERY, b"COMMIT"))
             roles.append((0, None, None, False))

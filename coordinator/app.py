@@ -55,6 +55,7 @@ def create_app_from_env() -> FastAPI:
         ),
         dashboard_secure_cookie=settings.dashboard_secure_cookie,
         fast_lane=settings.http_fast_lane,
+        calls_on_loop=settings.http_calls_on_loop,
     )
     if settings.recovery_enabled:
         loop = RecoveryLoop(

@@ -76,6 +76,9 @@ class Settings(BaseSettings):
     # begin and commit's common case answered without FastAPI's machinery (coordinator/http/fast_lane.py;
     # the answers are the same). false: FastAPI answers every call.
     http_fast_lane: bool = True
+    # the fast lane's calls run on the event loop, their database waits awaited (coordinator/on_loop.py);
+    # false: each in a thread, as FastAPI runs a sync route.
+    http_calls_on_loop: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")

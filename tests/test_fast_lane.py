@@ -87,8 +87,8 @@ def _headers(r: httpx.Response) -> list[tuple[str, str]]:
     return [(k, v.replace(origin, "")) for k, v in r.headers.multi_items() if k != "date"]
 
 
-@pytest.fixture
-def pair(postgres_server_url: str, template_url: str) -> Iterator[Pair]:
+@pytest.fixture(params=[True, False], ids=["calls-on-loop", "calls-in-threads"])
+def pair(request: pytest.FixtureRequest, postgres_server_url: str, template_url: str) -> Iterator[Pair]:
     with ExitStack() as stack:
         clients, coordinators, lanes = [], [], []
         for fast in (True, False):
@@ -97,12 +97,13 @@ def pair(postgres_server_url: str, template_url: str) -> Iterator[Pair]:
             stack.callback(engine.dispose)
             c = Coordinator(engine, RecordingControlPlane(), clock=ManualClock(), limits=Limits(max_partitions=256))
             stack.callback(c.close)
-            app = create_app(c, admin_token=ADMIN, token_secret=SECRET, fast_lane=fast)
+            app = create_app(c, admin_token=ADMIN, token_secret=SECRET, fast_lane=fast, calls_on_loop=request.param)
             base = stack.enter_context(uvicorn_in_thread(app))
             clients.append(stack.enter_context(httpx.Client(base_url=base, timeout=60)))
             coordinators.append(c)
             lanes.append(getattr(app.state, "fast_lane", None))
         assert isinstance(lanes[0], FastLane) and lanes[1] is None, "one app with the lane, one without"
+        assert lanes[0].on_loop_free == (5 if request.param else 0), "half the pool of 2 x 5 connections"
         tokens = []
         for client in clients:
             admin = ProtocolClient(client, ADMIN)
@@ -299,6 +300,36 @@ def test_metrics_count_the_lanes_answers_under_the_route_templates(pair: Pair) -
     unmatched = [k for k in after if k[0] == "coordinator_http_request_duration_seconds_count"
                  and dict(k[1])["route"] == "<unmatched>" and delta(k)]
     assert not unmatched, unmatched
+
+
+def test_the_common_calls_run_on_the_loop_and_a_call_that_would_block_it_runs_again_in_a_thread(
+    pair: Pair,
+) -> None:
+    """begin and commit's common path runs driver statements only: on the loop, start to end. A
+    sink's first batch grows its id pool with SQLAlchemy statements, and a retried begin reads its
+    leases back with one; either would block the loop, so it runs again in a thread, and answers
+    as FastAPI does (Pair.send compares)."""
+    p = pair
+    on_loop = p.lane.on_loop_free > 0
+    gen = p.send("POST", f"/v1/sinks/{SINK}/generations", {"query_id": "q", "run_id": "r1"})[0].json()["generation"]
+    reruns = p.lane.rerun_in_thread
+    for batch in range(4):
+        if batch == 1:
+            assert p.lane.rerun_in_thread == reruns + (1 if on_loop else 0), "the pool's growth ran in a thread"
+            reruns = p.lane.rerun_in_thread
+        begun, who = p.send("POST", begin_path(batch), {"generation": gen, "partitions": 2})
+        assert who == "lane"
+        body = {"generation": gen, "partitions": [
+            {"partition": x["partition"], "lease_id": x["lease_id"], "producer_id": 1, "producer_epoch": 0,
+             "records": 1, "bytes": 1} for x in begun.json()["pre_leases"]]}
+        committed, who = p.send("POST", commit_path(batch, begun.json()["attempt"]), body)
+        assert (committed.status_code, who) == (200, "lane"), committed.text
+    assert p.lane.rerun_in_thread == reruns, "no common call left the loop"
+    begun, _ = p.send("POST", begin_path(4), {"generation": gen, "partitions": 2})
+    again, who = p.send("POST", begin_path(4), {"generation": gen, "partitions": 2})
+    assert who == "lane" and again.json()["pre_leases"] == begun.json()["pre_leases"]
+    assert p.lane.rerun_in_thread == reruns + (1 if on_loop else 0)
+    assert p.lane.on_loop_free == (5 if on_loop else 0), "every call gave its place back"
 
 
 def test_a_lane_call_holds_a_token_of_the_limiter_it_is_given_while_it_runs() -> None:

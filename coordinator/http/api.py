@@ -22,7 +22,7 @@ from .api_docs import mount_docs
 from .auth import Principal, tokens_equal, writer_token
 from ..kafka.broker import PartitionWatch
 from .dashboard import create_dashboard
-from .fast_lane import FastLane
+from .fast_lane import FastLane, calls_on_loop_for
 from .input import (
     AttemptNumber,
     BatchId,
@@ -135,9 +135,11 @@ def create_app(
     dashboard_viewer_token: str | None = None,
     dashboard_secure_cookie: bool = False,
     fast_lane: bool = True,
+    calls_on_loop: bool = True,
 ) -> FastAPI:
     """The API. `fast_lane`: begin and commit's common case answered by `FastLane` (fast_lane.py);
-    off, FastAPI answers every call (the answers are the same)."""
+    off, FastAPI answers every call (the answers are the same). `calls_on_loop`: the lane runs
+    its calls on the event loop (`coordinator.on_loop`), else each in a thread."""
     app = FastAPI(
         title="Spark -> Kafka exactly-once transaction coordinator",
         version=__version__,
@@ -447,7 +449,8 @@ def create_app(
     # the last middleware added is the outermost: the metrics time the fast lane's answers too
     if fast_lane:
         app.add_middleware(FastLane, api=app, endpoints=(begin_checkpoint, commit), principal_annotation=Writer,
-                           principal=writer_without_io)
+                           principal=writer_without_io,
+                           on_loop_calls=calls_on_loop_for(coordinator.engine) if calls_on_loop else 0)
     app.add_middleware(HttpMetricsMiddleware)
     return app
 

@@ -45,10 +45,12 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, TypeAdapter
+from sqlalchemy import Engine
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .. import on_loop
 from .auth import Principal
 from .input import JsonRequest, _is_json, check_url
 
@@ -93,6 +95,7 @@ class FastLane:
         endpoints: Iterable[Callable[..., Any]],
         principal_annotation: Any,
         principal: Callable[[Request, str], Awaitable[Principal | None]],
+        on_loop_calls: int = 0,
     ) -> None:
         self.app = app
         wanted = list(endpoints)
@@ -105,8 +108,10 @@ class FastLane:
         # Exception/500 is ServerErrorMiddleware's)
         self.handlers = {k: v for k, v in api.exception_handlers.items() if isinstance(k, type) and k is not Exception}
         self.pool = ThreadPoolExecutor(THREADS, thread_name_prefix="fast-lane")
+        self.on_loop_free = on_loop_calls
         self.answered = 0
         self.passed_on = 0
+        self.rerun_in_thread = 0
         api.state.fast_lane = self
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -133,8 +138,7 @@ class FastLane:
         scope.update(child_scope)  # as the router does: the route (for the metrics), endpoint, path params
         try:
             async with _token_of(anyio.to_thread.current_default_thread_limiter()):
-                loop = asyncio.get_running_loop()
-                response = await loop.run_in_executor(self.pool, contextvars.copy_context().run, call)
+                response = await self._run(call)
         except Exception as exc:
             handler = next((self.handlers[c] for c in type(exc).__mro__ if c in self.handlers), None)
             if handler is None:
@@ -147,6 +151,20 @@ class FastLane:
             if response is None:
                 return
         await response(scope, receive, send)
+
+    async def _run(self, call: Callable[[], Any]) -> Any:
+        """The endpoint's call on the event loop (`on_loop`) while fewer than `on_loop_calls` run
+        there, else (or when it would block the loop) in a thread."""
+        if self.on_loop_free > 0:
+            self.on_loop_free -= 1
+            try:
+                return await on_loop.run_on_loop(call)
+            except on_loop.MustNotBlock:
+                self.rerun_in_thread += 1  # its transaction rolled back; a retry is safe
+            finally:
+                self.on_loop_free += 1
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, contextvars.copy_context().run, call)
 
     async def _prepare(
         self, lane: _Lane, scope: Scope, child_scope: Scope, recorded: _Recorded
@@ -167,6 +185,15 @@ class FastLane:
         args[body_arg] = model.model_validate_json(body)
         args[lane.principal_arg] = who
         return functools.partial(lane.endpoint, **args)
+
+
+def calls_on_loop_for(engine: Engine) -> int:
+    """How many calls may run on the event loop at once: half the connection pool. A call holds
+    at most two pooled connections at a time, so however many of them wait suspended on the loop,
+    a checkout made there never waits for a connection that only one of them could give back (it
+    waits, at worst, for a thread's)."""
+    size = getattr(engine.pool, "size", None)
+    return size() // 2 if callable(size) else 0
 
 
 @contextlib.asynccontextmanager

@@ -9,13 +9,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, select, text, update
 from sqlalchemy.exc import DBAPIError
 
+from .. import on_loop
 from ..kafka.control_plane import (
     ControlPlaneError,
     FirstOffset,
@@ -297,7 +298,7 @@ class CoordinatorBase:
             return TransactionOutcome.UNKNOWN
         txn = PreparedTransaction(lease.transactional_id, lease.producer_id, lease.producer_epoch)
         try:
-            return self.control_plane.transaction_outcome(target, txn, first)
+            return self._off_loop(self.control_plane.transaction_outcome, target, txn, first)
         except ControlPlaneError as exc:
             log.warning("could not read the log of %s: %s", lease.transactional_id, exc)
             return TransactionOutcome.UNKNOWN
@@ -420,9 +421,11 @@ class CoordinatorBase:
     def _parallel(self, fn: Callable[[Lease], T], items: Sequence[Lease]) -> list[T]:
         """fn over items, at most kafka_parallelism at once, results in order. Each worker takes
         the next item until none is left: as balanced as one future per item, without 200 futures
-        (which cost more than the work itself at P=200 on a fast control plane)."""
+        (which cost more than the work itself at P=200 on a fast control plane). fn waits on Kafka:
+        in a call running on the event loop (`on_loop`), every worker is a thread of the pool."""
+        here = not on_loop.on_loop()  # the calling thread is one of the workers
         workers = min(len(items), self.limits.kafka_parallelism)
-        if workers <= 1:
+        if workers <= 1 and here:
             return [fn(x) for x in items]
         out: list[Any] = [None] * len(items)
         todo = iter(range(len(items)))
@@ -436,14 +439,23 @@ class CoordinatorBase:
                     return
                 out[i] = fn(items[i])
 
-        futures = [self._kafka_pool.submit(work) for _ in range(workers - 1)]
+        futures = [self._kafka_pool.submit(work) for _ in range(workers - here)]
         try:
-            work()  # the calling thread is one of the workers: one thread hand-off fewer per call
+            if here:
+                work()  # one thread hand-off fewer per call
         finally:
-            wait(futures)  # none left running, whatever work() raised
+            on_loop.wait_futures(futures)  # none left running, whatever work() raised
         for f in futures:
             f.result()  # re-raises what fn raised there
         return out
+
+    def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args), which waits on Kafka: in a call running on the event loop, in a thread."""
+        if not on_loop.on_loop():
+            return fn(*args)
+        future = self._kafka_pool.submit(fn, *args)
+        on_loop.wait_futures([future])
+        return future.result()
 
 
 def _first_offsets(lease: Lease) -> list[FirstOffset]:

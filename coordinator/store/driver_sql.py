@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import re
-import select
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, ClassVar
@@ -42,6 +41,8 @@ from psycopg import pq
 from psycopg.adapt import PyFormat, Transformer
 from psycopg.errors import error_from_result
 from sqlalchemy import Connection, Engine, event
+
+from .. import on_loop
 
 _BIND = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
@@ -136,6 +137,7 @@ def hook_engine(engine: Engine) -> None:
     def before_execute(conn: Connection, cursor: Any, *args: Any) -> None:
         if cursor is not None:  # a driver statement (no cursor) has checked already
             _refuse_after_commit(conn)
+            on_loop.refuse_blocking("a SQLAlchemy statement")  # psycopg would wait for it blocking
 
     event.listen(engine, "rollback", before_rollback)
     event.listen(engine.pool, "reset", before_reset)
@@ -194,22 +196,20 @@ _PLAN_AS_CONFIGURED = b"SET LOCAL plan_cache_mode TO DEFAULT"
 def _flush(pgconn: pq.abc.PGconn) -> None:
     """Send everything queued. psycopg keeps its connections non-blocking, so a pipeline's sends
     may leave part of a large one (a 200-partition commit) in libpq's buffer; the wait for the
-    socket releases the GIL, and reads what Postgres answers meanwhile, as libpq asks."""
+    socket releases the GIL (or, on the event loop, lets other calls run), and reads what Postgres
+    answers meanwhile, as libpq asks."""
     while pgconn.flush():
-        poll = select.poll()
-        poll.register(pgconn.socket, select.POLLIN | select.POLLOUT)
-        if any(events & select.POLLIN for _, events in poll.poll()):
-            pgconn.consume_input()
+        on_loop.wait_socket(pgconn.socket, write=True)
+        pgconn.consume_input()
 
 
 def _wait_for_result(pgconn: pq.abc.PGconn) -> None:
-    """Wait for the next result with the GIL released: psycopg's get_result keeps it while libpq
-    blocks (its exec_ calls do not), which stopped every other thread for a round trip."""
+    """Wait for the next result with the GIL released (psycopg's get_result keeps it while libpq
+    blocks, which stopped every other thread for a round trip), or, in a call running on the event
+    loop, with the loop free to run other calls (`on_loop.wait_socket`)."""
     pgconn.consume_input()
     while pgconn.is_busy():
-        poll = select.poll()
-        poll.register(pgconn.socket, select.POLLIN)
-        poll.poll()
+        on_loop.wait_socket(pgconn.socket)
         pgconn.consume_input()
 
 
@@ -388,7 +388,8 @@ def _execute(
     pgconn = raw.pgconn
     try:
         if session.stale:
-            listed = _checked(raw, pgconn.exec_(_PREPARED_HERE))
+            (listed,) = _pipelined(pgconn, [(_SEND_QUERY, _PREPARED_HERE)])
+            _checked(raw, listed)
             still = {listed.get_value(i, 0) for i in range(listed.ntuples)}
             session.prepared = {k: name for k, name in session.prepared.items() if name in still}
             session.stale = False
@@ -417,7 +418,8 @@ def _execute(
                 execute(i, _GENERIC_PLAN, tx.dump_sequence((), ()), False)
             values = tx.dump_sequence([params[name] for name in statement._params], statement._formats)
             name = session.prepared.get((statement._query, tuple(tx.types)))
-            if name is not None and not begin and not commit and not generic and len(statements) == 1:
+            if (name is not None and not begin and not commit and not generic and len(statements) == 1
+                    and not on_loop.on_loop()):  # libpq's blocking call: fewest calls into libpq
                 return [_checked(raw, pgconn.exec_prepared(name, values, tx.formats))]
             execute(i, statement._query, values, True)
             if generic and not (commit and i == last):

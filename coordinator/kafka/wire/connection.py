@@ -30,6 +30,7 @@ from kafka.protocol.producer import (
     InitProducerIdRequest,
 )
 
+from ...on_loop import refuse_blocking
 from ..control_plane import (
     OpenTransaction,
     PartitionStability,
@@ -83,6 +84,7 @@ class _BrokerClient:
         self.closed = False
 
     def ensure_bootstrapped(self, timeout_ms: int) -> None:
+        refuse_blocking("a Kafka request")
         if self._manager.bootstrapped:
             return
         with self._bootstrap_lock:
@@ -94,6 +96,7 @@ class _BrokerClient:
                 raise _Retry("broker_unreachable", f"cannot bootstrap from {self.bootstrap_servers}: {exc}") from exc
 
     def run(self, coro: Callable[..., Awaitable[T]], *args: Any) -> T:
+        refuse_blocking("a Kafka request")  # the service runs Kafka work in its threads
         return self._manager.run(coro, *args)
 
     def forget_coordinator(self, transactional_id: str) -> None:

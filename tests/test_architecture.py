@@ -36,13 +36,14 @@ LONG_REASON = "Long because"
 LAYERS = ("protocol", "store", "kafka", "service", "http", "cli")
 ALLOWED: dict[str, set[str]] = {
     "protocol": {"protocol"},
-    "store": {"protocol", "store", "root"},
-    "kafka": {"protocol", "kafka", "root"},
-    "service": {"protocol", "store", "kafka", "service", "root"},
-    "http": {"protocol", "store", "kafka", "service", "http", "root", "logs"},
-    "cli": {"protocol", "store", "kafka", "service", "http", "cli", "root", "settings", "logs"},
+    "store": {"protocol", "store", "root", "on_loop"},
+    "kafka": {"protocol", "kafka", "root", "on_loop"},
+    "service": {"protocol", "store", "kafka", "service", "root", "on_loop"},
+    "http": {"protocol", "store", "kafka", "service", "http", "root", "logs", "on_loop"},
+    "cli": {"protocol", "store", "kafka", "service", "http", "cli", "root", "settings", "logs", "on_loop"},
     "settings": {"protocol", "root"},
     "logs": set(),
+    "on_loop": set(),  # where blocking code waits or must not, for calls run on the event loop
     "root": set(),
     "app": {"protocol", "store", "kafka", "service", "http", "root", "settings", "logs"},
 }
@@ -168,7 +169,7 @@ def layer_of(module: str) -> str | None:
         return "root"
     if parts[1] in LAYERS:
         return parts[1]
-    if parts[1] in ("settings", "logs", "app"):
+    if parts[1] in ("settings", "logs", "on_loop", "app"):
         return parts[1]
     return "unknown"
 

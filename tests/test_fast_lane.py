@@ -312,7 +312,9 @@ def test_the_common_calls_run_on_the_loop_and_a_call_that_would_block_it_runs_ag
     p = pair
     on_loop = p.lane.on_loop_free > 0
     gen = p.send("POST", f"/v1/sinks/{SINK}/generations", {"query_id": "q", "run_id": "r1"})[0].json()["generation"]
-    reruns = p.lane.rerun_in_thread
+    reruns = first_reruns = p.lane.rerun_in_thread
+    counted = ("coordinator_http_calls_run_again_in_thread_total", ())
+    counted_before = _samples(p.fast).get(counted, 0.0)
     for batch in range(4):
         if batch == 1:
             assert p.lane.rerun_in_thread == reruns + (1 if on_loop else 0), "the pool's growth ran in a thread"
@@ -330,6 +332,7 @@ def test_the_common_calls_run_on_the_loop_and_a_call_that_would_block_it_runs_ag
     assert who == "lane" and again.json()["pre_leases"] == begun.json()["pre_leases"]
     assert p.lane.rerun_in_thread == reruns + (1 if on_loop else 0)
     assert p.lane.on_loop_free == (5 if on_loop else 0), "every call gave its place back"
+    assert _samples(p.fast)[counted] - counted_before == p.lane.rerun_in_thread - first_reruns
 
 
 def test_a_lane_call_holds_a_token_of_the_limiter_it_is_given_while_it_runs() -> None:

@@ -7,10 +7,12 @@ and far less machinery: it matches the route with the route's own pattern, appli
 and body checks (`check_url`, `JsonRequest`: content type, size limit), validates the path
 parameters and the body with the endpoint's own annotated types (the body as below), authenticates
 without I/O (the `principal` callable: the admin token or a fresh token-cache entry), then calls
-the route's endpoint in a thread, so the service call and the answer's serialisation are the
-endpoint's. An exception the endpoint raises is answered by the app's own handler for it (found by
-the exception's MRO, as Starlette's ExceptionMiddleware does); any other is re-raised for
-ServerErrorMiddleware (500).
+the route's endpoint, so the service call and the answer's serialisation are the endpoint's. The
+call runs on the event loop in a greenlet (`coordinator/on_loop.py`: its waits for Postgres are
+awaited) while fewer than `on_loop_calls` do, else in a thread; one that would block the loop (a
+SQLAlchemy statement, a Kafka request) rolls back and runs again in a thread. An exception the
+endpoint raises is answered by the app's own handler for it (found by the exception's MRO, as
+Starlette's ExceptionMiddleware does); any other is re-raised for ServerErrorMiddleware (500).
 
 What it does not handle: anything that is not exactly that happy path before the service call (no
 match, another method, a bad parameter or body, no or an unknown token, a token-cache miss, a
@@ -53,11 +55,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import on_loop
 from .auth import Principal
 from .input import JsonRequest, _is_json, check_url
+from .metrics import CALLS_RUN_AGAIN_IN_THREAD
 
-# The endpoint runs on this pool through loop.run_in_executor, holding a token of anyio's default
-# limiter: at most as many sync calls at once as today (FastAPI's sync routes share that limiter;
-# the database pool is sized for it), for less CPU per hand-off than anyio's to_thread (measured
-# under 8-24 concurrent calls on uvloop: 25-36 µs against 41-51 µs).
+# Off the loop, the endpoint runs on this pool through loop.run_in_executor. On the loop or off it,
+# a call holds a token of anyio's default limiter: at most as many calls at once as before
+# (FastAPI's sync routes share that limiter; the database pool is sized for it). run_in_executor
+# costs less CPU per hand-off than anyio's to_thread (measured under 8-24 concurrent calls on
+# uvloop: 25-36 µs against 41-51 µs).
 THREADS = 40
 
 class _Lane:
@@ -161,6 +165,7 @@ class FastLane:
                 return await on_loop.run_on_loop(call)
             except on_loop.MustNotBlock:
                 self.rerun_in_thread += 1  # its transaction rolled back; a retry is safe
+                CALLS_RUN_AGAIN_IN_THREAD.inc()
             finally:
                 self.on_loop_free += 1
         loop = asyncio.get_running_loop()

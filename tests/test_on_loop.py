@@ -158,24 +158,34 @@ def test_a_call_waiting_for_a_row_lock_lets_the_loop_run_the_call_that_holds_it(
     the first (suspended, holding the lock) could never commit: its lock_timeout fails it."""
     lock = DriverStatement("SELECT n FROM on_loop_rows WHERE id = 1 FOR UPDATE")
     bump = DriverStatement("UPDATE on_loop_rows SET n = n + 1 WHERE id = 1 RETURNING n")
-    a, b = socket.socketpair()
+    waiting_for_a_lock = DriverStatement(  # the next read sees a fresh snapshot of the sessions
+        "SELECT pg_sleep(0.02)::text AS slept, pg_stat_clear_snapshot()::text AS cleared, count(*) AS n "
+        "FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    )
+    held_r, held_w = socket.socketpair()  # the first tells the second it holds the lock
     steps: list[Any] = []
 
     def first() -> None:
         with lock_engine.begin() as conn:
             lock.rows(conn, {})
             steps.append("first holds the lock")
-            on_loop.wait_socket(a.fileno())  # suspended, holding it, until the second has asked
+            held_w.send(b"held")
+            with lock_engine.connect() as watch:  # until the second's session waits for the lock
+                for _ in range(500):
+                    if waiting_for_a_lock.one(watch, {})["n"]:
+                        break
+                else:
+                    raise AssertionError("the second call never waited for the lock")
             steps.append(("first commits", bump.one(conn, {}, commit=True)["n"]))
 
     def second() -> None:
+        on_loop.wait_socket(held_r.fileno())
         with lock_engine.begin() as conn:
-            b.send(b"go")
             steps.append("second asks")
             DriverStatement("SET LOCAL lock_timeout = '5s'").rows(conn, {})
             steps.append(("second commits", bump.one(conn, {}, commit=True)["n"]))
 
-    with a, b:
+    with held_r, held_w:
         _on_loop(first, second)
     assert steps == ["first holds the lock", "second asks", ("first commits", 1), ("second commits", 2)]
 

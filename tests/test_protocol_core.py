@@ -797,3 +797,14 @@ def test_variants_are_copies_with_the_named_fields_set_as_with_changes_would() -
         base.variants(("id", "nope"), [(1, 2)])
     with pytest.raises(ValueError, match="3 values for the fields"):
         base.variants(("id", "partition"), [(1, 2, 3)])
+
+
+def test_all_with_changes_is_with_changes_for_each() -> None:
+    leases = [lease(id=1, partition=0), lease(id=2, partition=1)]
+    made = Lease.all_with_changes(iter(leases), state=LeaseState.COMMITTED, resolved_at=T0)
+    assert made == [x.with_changes(state=LeaseState.COMMITTED, resolved_at=T0) for x in leases]
+    assert all(a is not b for a, b in zip(made, leases)) and leases[0].state is not LeaseState.COMMITTED
+    with pytest.raises(TypeError, match="not fields of Lease"):
+        Lease.all_with_changes(leases, nope=1)
+    with pytest.raises(TypeError, match="is not a Lease"):
+        Lease.all_with_changes([object()], state=LeaseState.COMMITTED)  # type: ignore[list-item]

@@ -578,7 +578,8 @@ def mark_committed(
     ]
     if marked is not None:  # the first tries on the attempt's row were committed with it
         answered = {x.id for x in after}
-        on_row = [x.with_changes(state=LeaseState.COMMITTED, resolved_at=now) for x in done if x.id not in answered]
+        on_row = Lease.all_with_changes((x for x in done if x.id not in answered), state=LeaseState.COMMITTED,
+                                        resolved_at=now)
         if on_row:
             after = sorted(after + on_row, key=lambda x: x.id)
     return MarkedCommitted(Checkpoint.from_mapping(locked), after, marked, now)

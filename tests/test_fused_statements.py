@@ -28,7 +28,7 @@ from coordinator.service import Coordinator, SinkSpec
 from coordinator.service.clock import DatabaseClock
 from coordinator.store import driver_sql, hot_path
 from coordinator.store.driver_sql import DriverStatement
-from coordinator.store.tables import checkpoints, transactional_ids
+from coordinator.store.tables import checkpoints, lease_rows, transactional_ids
 
 NAME = "orders"
 
@@ -49,6 +49,21 @@ def db_clock_coordinator(engine: Engine, kafka: RecordingControlPlane) -> Iterat
 def _source(statement: DriverStatement) -> str:
     """A driver statement's SQL as written (its `:name` parameters)."""
     return re.sub(r"%\((\w+)\)s", r":\1", statement.sql)
+
+
+# the committed mark's two guards: no winner of the attempt left COMMITTING among its lease rows,
+# nor among its first tries on its row (r: each first try, whether it won, whether `done` names it)
+_LEASE_ROWS_GUARD = (r"AND NOT EXISTS \(SELECT 1 FROM lease_rows WHERE attempt_id = :attempt_id AND state = "
+                     r"'COMMITTING'\s+AND id <> ALL\(CAST\(:done AS bigint\[\]\)\)\)")
+_FIRST_TRIES_GUARD = r"AND NOT EXISTS \(SELECT 1 FROM r WHERE r.won AND NOT r.named\)"
+
+
+def _mark_without(guard: str) -> DriverStatement:
+    """A broken variant of the committed mark: without that guard."""
+    source = _source(hot_path._MARK_COMMITTED)
+    found = re.search(guard, source)
+    assert found is not None
+    return DriverStatement(source.replace(found.group(0), ""))
 
 
 def _statements(engine: Engine) -> list[str]:
@@ -185,13 +200,9 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
 
     # the statement checks its answer against the rule (it commits with its transaction): a broken
     # variant without the guard marks the attempt with a winner left, fails, and commits nothing
-    unguarded = _source(hot_path._MARK_COMMITTED)
-    guard = re.search(r"AND NOT EXISTS \(SELECT 1 FROM leases WHERE attempt_id = :attempt_id AND state = "
-                      r"'COMMITTING'\s+AND id NOT IN \(SELECT unnest\(CAST\(:done AS bigint\[\]\)\)\)\)", unguarded)
-    assert guard is not None
     with pytest.raises(DBAPIError, match="coordinator_assert: the checkpoint or attempt"):
         with monkeypatch.context() as patched:
-            patched.setattr(hot_path, "_MARK_COMMITTED", DriverStatement(unguarded.replace(guard.group(0), "")))
+            patched.setattr(hot_path, "_MARK_COMMITTED", _mark_without(_LEASE_ROWS_GUARD))
             mark(done)
     assert c.checkpoint_detail(NAME, 2).checkpoint.state is CheckpointState.COMMITTING
     # the guard: naming only the winner already committed marks nothing
@@ -212,6 +223,63 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
         conn.execute(select(1))
         hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=left.attempt_id,
                                 done=[left], now=None, event_actor=None, event_detail={})
+
+
+@pytest.mark.parametrize("empty", [True, False], ids=["an-empty-partition", "every-partition-won"])
+def test_the_committed_mark_of_first_tries_on_the_row_waits_for_every_winner(
+    db_clock_coordinator: Coordinator, kafka: RecordingControlPlane, monkeypatch: pytest.MonkeyPatch, empty: bool
+) -> None:
+    """A decision whose first tries stay on the attempt's row (the coordinator stopped between the
+    decision and Kafka): the mark checks them on the row, where a won partition not named in `done`
+    keeps the attempt COMMITTING, and an empty partition's first try is answered ABORTED."""
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    begun = c.begin_checkpoint(NAME, 1, gen, "test", partitions=3)
+    first = sorted(begun.pre_leases, key=lambda x: x.partition)
+    results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50)) for x in first]
+    if empty:
+        results[2] = PartitionResult(2, None)
+    last = LeaseState.ABORTED if empty else LeaseState.COMMITTED
+
+    def stop(target: Any, txn: Any) -> None:
+        raise RuntimeError("the coordinator stops between the decision and Kafka")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(kafka, "commit", stop)
+        with pytest.raises(RuntimeError):
+            c.commit(NAME, 1, begun.attempt.number, gen, results, "test")
+    detail = c.checkpoint_detail(NAME, 1)
+    cp = detail.checkpoint
+    assert cp.state is CheckpointState.COMMITTING
+    on_row = {x.partition: x for x in detail.leases}
+    assert [on_row[p].state for p in range(3)] == [
+        LeaseState.COMMITTING, LeaseState.COMMITTING, LeaseState.ABORTED if empty else LeaseState.COMMITTING]
+    with c.engine.connect() as conn:  # still on the row: no lease rows
+        assert conn.execute(select(lease_rows.c.id)).all() == []
+
+    def mark(*partitions: int) -> hot_path.MarkedCommitted:
+        with c.engine.begin() as conn:
+            return hot_path.mark_committed(conn, sink_id=cp.sink_id, checkpoint_id=cp.id, attempt_id=first[0].attempt_id,
+                                           done=[on_row[p] for p in partitions], now=None, event_actor=None,
+                                           event_detail={})
+
+    # a broken variant without the first tries' guard marks the attempt with partition 1 left: the
+    # statement's check of its answer fails, and nothing is committed
+    with pytest.raises(DBAPIError, match="coordinator_assert: the checkpoint or attempt"):
+        with monkeypatch.context() as patched:
+            patched.setattr(hot_path, "_MARK_COMMITTED", _mark_without(_FIRST_TRIES_GUARD))
+            mark(0)
+    kept = mark(0)
+    assert kept.marked is None and c.checkpoint_detail(NAME, 1).checkpoint.state is CheckpointState.COMMITTING
+    assert {x.partition: x.state for x in kept.leases} == {
+        0: LeaseState.COMMITTING, 1: LeaseState.COMMITTING, 2: on_row[2].state}
+    marked = mark(0, 1) if empty else mark(0, 1, 2)
+    assert marked.marked is not None and marked.marked[0].state is CheckpointState.COMMITTED
+    assert {x.partition: x.state for x in marked.leases} == {0: LeaseState.COMMITTED, 1: LeaseState.COMMITTED, 2: last}
+    assert {x.partition: x.state for x in c.checkpoint_detail(NAME, 1).leases} == {
+        0: LeaseState.COMMITTED, 1: LeaseState.COMMITTED, 2: last}
+    with c.engine.connect() as conn:  # every id free again
+        assert set(conn.execute(select(transactional_ids.c.state)).scalars()) == {"FREE"}
 
 
 def test_a_finisher_that_finds_the_commit_marked_by_another_answers_it_committed(

@@ -46,6 +46,43 @@ def test_protocol_bench_runs_both_modes_and_prints_its_figure_lines(database_url
     assert "record check: ok" in out.stdout and "MISMATCH" not in out.stdout
 
 
+def test_statement_times_names_each_statement_of_a_batch_with_its_times() -> None:
+    """bench/statement_times.py on its own Postgres: every statement of a batch by its Python name
+    (none left as bare SQL), each of the common path's once per batch, with times."""
+    cmd = [sys.executable, str(BENCH / "statement_times.py"), "--partitions", "3", "--batches", "6", "--warmup", "2"]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    figures = [measure.parse_figure_line(line) for line in out.stdout.splitlines() if line.startswith("statement")]
+    statements = {f["name"]: f for label, f in figures if label == "statement P=3"}
+    once = ("hot_path._BEGIN_HEAD", "repo.FREE_IDS", "hot_path._NEW_ATTEMPT", "hot_path._COMMIT_HEAD",
+            "hot_path._DECIDE_FIRST_TRIES", "hot_path._LOCK_CHECKPOINT_FOR_MARK", "hot_path._MARK_COMMITTED")
+    for name in once:
+        assert statements[name]["per_batch"] == "1.00", (name, statements)
+        assert float(statements[name]["execute_p50_us"]) > 0 and float(statements[name]["execute_p90_us"]) > 0
+    # what is not a driver statement is a transaction's own command, named by its text
+    others = set(statements) - set(once)
+    assert all(n.split("_")[0] in ("BEGIN", "COMMIT", "SET") for n in others), others
+    (summary,) = [f for label, f in figures if label == "statements P=3"]
+    assert summary["batches"] == "6" and float(summary["backend_cpu_ms_per_batch"]) >= 0
+    assert float(summary["logged_ms_per_batch"]) > 0
+
+
+def test_statement_times_reads_a_statement_logged_over_several_lines() -> None:
+    import statement_times
+
+    known = {"WITH a AS ( SELECT $1 ) SELECT * FROM a": "hot_path.X"}
+    text = ("2026-11-28 01:00:00.000 UTC [7] LOG:  duration: 0.250 ms  bind driver_sql_3: WITH a AS (\n"
+            "    SELECT $1\n) SELECT * FROM a\n"
+            "2026-11-28 01:00:00.001 UTC [7] LOG:  duration: 1.500 ms  execute driver_sql_3: WITH a AS (\n"
+            "    SELECT $1\n) SELECT * FROM a\n"
+            "2026-11-28 01:00:00.002 UTC [7] LOG:  duration: 0.010 ms  execute <unnamed>: BEGIN\n"
+            "2026-11-28 01:00:00.003 UTC [7] LOG:  duration: 0.090 ms  execute <unnamed>: COMMIT\n"
+            "2026-11-28 01:00:00.004 UTC [7] LOG:  duration: 1.000 ms  execute driver_sql_3: WITH a AS (\n"
+            "    SELECT $1\n) SELECT * FROM a\n")
+    assert statement_times.parse_log(text, known) == {
+        "hot_path.X": {"bind": [0.25], "execute": [1.5, 1.0]}, "BEGIN": {"execute": [0.01]}, "COMMIT": {"execute": [0.09]}}
+
+
 @pytest.mark.real_kafka
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # two JVMs (broker, Spark) and three paths: ~2 min idle, 5 on a loaded machine

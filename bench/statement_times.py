@@ -10,14 +10,14 @@ deployment's are (on a fresh database's statistics the new attempt's plan ran ~6
 partitions). One driver and nothing else on the server: a statement's wall time there is close to
 its CPU. Per statement of the hot path (`coordinator/store/hot_path.py`,
 `repo.py`: the driver statements, named by their Python names) it prints how many run per batch
-and the median and p90 of their `execute` and `bind` times, then the Postgres backends' CPU per
+and the median and p90 of their `execute` and `bind` times, then the Postgres server's CPU per
 batch from /proc.
 
     python bench/statement_times.py                       # P=2 and P=200, 300 batches each
     python bench/statement_times.py --partitions 200 --batches 100
 
 Each line is `statement P=… name=… per_batch=… execute_p50_us=… execute_p90_us=… bind_p50_us=…`;
-the last per shape `statements P=… batches=… backend_cpu_ms_per_batch=… logged_ms_per_batch=…`."""
+the last per shape `statements P=… batches=… postgres_cpu_ms_per_batch=… logged_ms_per_batch=…`."""
 
 from __future__ import annotations
 
@@ -31,12 +31,11 @@ import time
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from measure import CLK_TCK, figure_line, log, plain_url, start_embedded_postgres  # noqa: E402
+from measure import cpu_seconds, cpu_snapshot, figure_line, log, plain_url, start_embedded_postgres  # noqa: E402
 from protocol_clients import InprocessSink, Record, register_inprocess  # noqa: E402
 
 # a logged duration: "duration: 0.123 ms  execute driver_sql_7: WITH ..." (or bind, parse); the
@@ -73,34 +72,15 @@ def parse_log(text: str, known: dict[str, str]) -> dict[str, dict[str, list[floa
         name = by_prepared.get(prepared)
         if name is None:
             end = _NEXT_LINE.search(text, m.end())
-            name = _name_of(_normal(text[m.end():end.start() if end else len(text)]), known)
+            sql = _normal(text[m.end():end.start() if end else len(text)])
+            name = known.get(sql, sql[:40])
             if prepared != "<unnamed>":  # BEGIN, COMMIT, SET LOCAL: each named by its text
                 by_prepared[prepared] = name
         out.setdefault(name, {}).setdefault(phase, []).append(ms)
     return out
 
 
-def _name_of(sql: str, known: dict[str, str]) -> str:
-    if sql in known:
-        return known[sql]
-    for text, name in known.items():  # a log line may cut a long statement short
-        if sql and text.startswith(sql):
-            return name
-    return sql[:40] or "?"
-
-
-def backend_cpu(monitor: Any, database: str) -> float:
-    total = 0
-    for (pid,) in monitor.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s", (database,)).fetchall():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # a session that just ended
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
-
-
-def run_shape(url: str, log_file: Path, partitions: int, batches: int, warmup: int) -> list[str]:
+def run_shape(url: str, log_file: Path, postgres_pid: int, partitions: int, batches: int, warmup: int) -> list[str]:
     import psycopg
 
     from coordinator.kafka.control_plane import RecordingControlPlane
@@ -139,10 +119,10 @@ def run_shape(url: str, log_file: Path, partitions: int, batches: int, warmup: i
         for _ in range(warmup):
             one()
         start = log_file.stat().st_size
-        cpu0 = backend_cpu(admin, database)
+        cpu0 = cpu_snapshot(None, postgres_pid)
         for _ in range(batches):
             one()
-        cpu = backend_cpu(admin, database) - cpu0
+        cpu = cpu_seconds(cpu0, cpu_snapshot(None, postgres_pid))["postgres"]
         admin.execute(f'ALTER DATABASE "{database}" RESET ALL')
         time.sleep(0.2)  # the log's last lines
         with log_file.open("rb") as f:
@@ -167,7 +147,7 @@ def run_shape(url: str, log_file: Path, partitions: int, batches: int, warmup: i
             execute_p50_us=f"{statistics.median(executes) * 1000:.0f}", execute_p90_us=f"{p90 * 1000:.0f}",
             bind_p50_us=f"{statistics.median(binds) * 1000:.0f}" if binds else "-"))
     lines.append(figure_line(f"statements P={partitions}", batches=batches,
-                             backend_cpu_ms_per_batch=f"{1000 * cpu / batches:.2f}",
+                             postgres_cpu_ms_per_batch=f"{1000 * cpu / batches:.2f}",
                              logged_ms_per_batch=f"{logged / batches:.2f}"))
     return lines
 
@@ -190,7 +170,7 @@ def main() -> None:
             out: list[str] = []
             for p in shapes:
                 log(f"P={p}: {args.batches} batches, one driver")
-                out += run_shape(url, Path(tmp) / "pgdata" / "log", p, args.batches, args.warmup)
+                out += run_shape(url, Path(tmp) / "pgdata" / "log", server.get_pid(), p, args.batches, args.warmup)
         finally:
             server.cleanup()
     print("\n".join(out))

@@ -63,7 +63,7 @@ def test_statement_times_names_each_statement_of_a_batch_with_its_times() -> Non
     others = set(statements) - set(once)
     assert all(n.split("_")[0] in ("BEGIN", "COMMIT", "SET") for n in others), others
     (summary,) = [f for label, f in figures if label == "statements P=3"]
-    assert summary["batches"] == "6" and float(summary["backend_cpu_ms_per_batch"]) >= 0
+    assert summary["batches"] == "6" and float(summary["postgres_cpu_ms_per_batch"]) >= 0
     assert float(summary["logged_ms_per_batch"]) > 0
 
 

@@ -132,7 +132,7 @@ def run_coordinator(seconds: float, clients: int) -> dict[str, float]:
         server = None
         try:
             log("starting coordinator serve --workers 1")
-            server = Server(url, 1, 20, "warning", tmp / "server.log")
+            server = Server(url, 1, 20, "info", tmp / "server.log")
             names = [f"overhead-{i:03d}" for i in range(clients)]
             sinks = [HttpSink(server.base_url, s["name"], s["token"])
                      for s in register_http(server.base_url, server.admin_token, names)]

@@ -158,8 +158,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "each, as the writer's executor reports them (default 8; 0: none)")
     ap.add_argument("--pool-size", type=int, default=20,
                     help="SQLAlchemy pool_size per engine, as COORDINATOR_DB_POOL_SIZE (default 20)")
-    ap.add_argument("--server-log-level", default="warning", choices=("debug", "info", "warning", "error"),
-                    help="COORDINATOR_LOG_LEVEL of the server ('info' adds uvicorn's access log) (default warning)")
+    ap.add_argument("--server-log-level", default="info", choices=("debug", "info", "warning", "error"),
+                    help="COORDINATOR_LOG_LEVEL of the server ('debug' adds uvicorn's access log; above 'info' the "
+                         "workers' startup lines are not logged, so only one worker is known to be up before the "
+                         "warm-up) (default info)")
     ap.add_argument("--history", type=int, default=50_000,
                     help="committed batches of history seeded before the runs, so Postgres plans for tables of a "
                          "running deployment, not empty ones (default 50000; 0: none)")

@@ -257,9 +257,11 @@ class Server:
             env=env, cwd=str(ROOT), stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self.log_path = log_path
-        self._wait_ready(workers)
+        # uvicorn logs each worker's "Application startup complete" at info
+        self._wait_ready(workers if log_level in ("debug", "info") else 0)
 
     def _wait_ready(self, workers: int) -> None:
+        """Until /readyz answers, then until the log shows `workers` workers started."""
         import httpx
 
         deadline = time.monotonic() + 90
@@ -274,11 +276,10 @@ class Server:
             time.sleep(0.2)
         else:
             raise RuntimeError(f"coordinator serve not ready after 90 s; see {self.log_path}")
-        # every worker answers: wait until the log shows each one started
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.log_path.read_bytes().count(b"Application startup complete") >= workers:
-                return
+        while self.log_path.read_bytes().count(b"Application startup complete") < workers:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{workers} workers of coordinator serve not started after 60 s; see {self.log_path}")
             time.sleep(0.2)
 
     def stop(self) -> None:

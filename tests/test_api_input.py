@@ -129,6 +129,27 @@ def test_integers_beyond_their_columns_are_refused_naming_the_field(world: World
         invalid_field(w, w.call(method, path, body, token=token), method, path, field)
 
 
+
+def test_a_commits_partitions_are_checked_whole_naming_the_partition(world: World) -> None:
+    """The partitions are validated as dicts with one check of the pre-commit records over all of
+    them: each refusal still names the partition (and an unknown field is refused, not dropped)."""
+    w, gen, lid = world, world.generation, world.lease_id
+    path = f"/v1/sinks/{SINK}/checkpoints/0/attempts/1/commit"
+    record = {"producer_id": 7, "producer_epoch": 0, "records": 3, "bytes": 30}
+    empty = {"partition": 0, "lease_id": None}
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"partition": 1, "lease_id": lid, **record, "bytes": None}, "partitions", "partitions[1]: producer_id, "
+         "producer_epoch, records and bytes come together"),
+        ({"partition": 1, "lease_id": None, **record}, "partitions", "partitions[1]: a pre-commit record needs the "
+         "lease_id"),
+        ({"partition": 1, "lease_id": lid, **record, "oops": 1}, "partitions.1.oops", "Extra inputs are not permitted"),
+        ({"partition": 1, "lease_id": lid, **record, "first_offsets": [["bad topic", 0, 1]]},
+         "partitions.1.first_offsets.0.0", "String should match pattern"),
+    ]
+    for partition, field, says in cases:
+        body = {"generation": gen, "partitions": [empty, partition]}
+        assert says in invalid_field(w, w.call("POST", path, body), "POST", path, field), (partition, field)
+
 def test_the_largest_values_storage_holds_are_accepted(world: World) -> None:
     w = world
     top = I64 - 1

@@ -344,9 +344,8 @@ def create_app(
         response_model=CommitOut,
     )
     def commit(name: SinkName, batch_id: BatchId, attempt: AttemptNumber, body: CommitRequest, who: Writer) -> Response:
-        results = [p.result() for p in body.partitions]
         return _answer(CommitOut.fields_of(
-            coordinator.commit(name, batch_id, attempt, body.generation, results, who.actor, body.job_ms)))
+            coordinator.commit(name, batch_id, attempt, body.generation, body.results(), who.actor, body.job_ms)))
 
     @app.post(
         "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/abort", tags=["protocol"], responses=PROTOCOL,

@@ -6,7 +6,9 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing_extensions import NotRequired, TypedDict
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .input import (
     AbortReason,
@@ -107,36 +109,25 @@ class PrecommitBody(Request):
 TopicPartitionOffset = tuple[OffsetTopic, Partition, Count]
 
 
-class PartitionResultBody(Request):
+class PartitionResultBody(TypedDict):
+    """A partition of a commit: validated as a dict, not a model (a 200-partition commit's body in
+    ~0.6x the time), and turned into records by CommitRequest.results()."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
     partition: Partition
-    lease_id: LeaseId | None = Field(description="the winning lease; null for an empty partition")
+    lease_id: Annotated[LeaseId | None, Field(description="the winning lease; null for an empty partition")]
     # the winner's pre-commit record from its Spark task result (all four, or none if the lease was
     # pre-committed with the pre-commit call)
-    producer_id: ProducerId | None = None
-    producer_epoch: ProducerEpoch | None = None
-    records: Annotated[Count, Field(ge=1)] | None = None
-    bytes: Count | None = None
-    write_ms: Millis | None = None
-    first_offsets: Annotated[list[TopicPartitionOffset] | None, Field(max_length=100_000, description=(
-        "[topic, partition, offset]: the first offset the transaction wrote in each topic-partition"))] = None
+    producer_id: NotRequired[ProducerId | None]
+    producer_epoch: NotRequired[ProducerEpoch | None]
+    records: NotRequired[Annotated[Count, Field(ge=1)] | None]
+    bytes: NotRequired[Count | None]
+    write_ms: NotRequired[Millis | None]
+    first_offsets: NotRequired[Annotated[list[TopicPartitionOffset] | None, Field(max_length=100_000, description=(
+        "[topic, partition, offset]: the first offset the transaction wrote in each topic-partition"))]]
 
-    @model_validator(mode="after")
-    def _record_whole(self) -> PartitionResultBody:
-        given = [v is not None for v in (self.producer_id, self.producer_epoch, self.records, self.bytes)]
-        if any(given) and not all(given):
-            raise ValueError("producer_id, producer_epoch, records and bytes come together (the pre-commit record)")
-        if any(given) and self.lease_id is None:
-            raise ValueError("a pre-commit record needs the lease_id it belongs to")
-        return self
 
-    def result(self) -> PartitionResult:
-        record = None
-        if self.producer_id is not None:
-            assert self.producer_epoch is not None and self.records is not None and self.bytes is not None
-            # (topic, partition, offset) tuples as validated: stored as JSON, where a tuple is an array
-            record = PrecommitRecord(self.producer_id, self.producer_epoch, self.records, self.bytes, self.write_ms,
-                                     self.first_offsets)
-        return PartitionResult(self.partition, self.lease_id, record)
+_RECORD_FIELDS = ("producer_id", "producer_epoch", "records", "bytes")
 
 
 class CommitRequest(Request):
@@ -145,6 +136,31 @@ class CommitRequest(Request):
         description="every partition 0..N-1 of the attempt, once"
     )
     job_ms: Millis | None = Field(None, description="the driver's Spark write job, start to end")
+
+    @field_validator("partitions")
+    @classmethod
+    def _records_whole(cls, partitions: list[PartitionResultBody]) -> list[PartitionResultBody]:
+        """One pass over the partitions (a validator per partition costs a Python call each)."""
+        for i, p in enumerate(partitions):
+            given = sum(p.get(name) is not None for name in _RECORD_FIELDS)
+            if given and given < 4:
+                raise ValueError(f"partitions[{i}]: producer_id, producer_epoch, records and bytes come together "
+                                 "(the pre-commit record)")
+            if given and p["lease_id"] is None:
+                raise ValueError(f"partitions[{i}]: a pre-commit record needs the lease_id it belongs to")
+        return partitions
+
+    def results(self) -> list[PartitionResult]:
+        out = []
+        for p in self.partitions:
+            record = None
+            if p.get("producer_id") is not None:
+                # (topic, partition, offset) tuples as validated: stored as JSON, where a tuple is an array
+                record = PrecommitRecord.from_fields(
+                    producer_id=p["producer_id"], producer_epoch=p["producer_epoch"], records=p["records"],
+                    bytes=p["bytes"], write_ms=p.get("write_ms"), first_offsets=p.get("first_offsets"))
+            out.append(PartitionResult.from_fields(partition=p["partition"], lease_id=p["lease_id"], precommit=record))
+        return out
 
 
 class AbortRequest(Request):

@@ -221,7 +221,7 @@ class Alert:
 
 
 @dataclass(frozen=True)
-class PrecommitRecord:
+class PrecommitRecord(_Record):
     """What a task attempt reports about its flushed transaction (in its Spark task result, which
     the driver forwards with the commit; or, from older clients, with the pre-commit call)."""
 
@@ -237,7 +237,7 @@ class PrecommitRecord:
 
 
 @dataclass(frozen=True)
-class PartitionResult:
+class PartitionResult(_Record):
     """One entry of a commit request: the winning lease of a partition (with its pre-commit record
     when the task returned it to the driver), or None if it was empty."""
 

@@ -18,6 +18,9 @@ import pytest
 from fixtures.postgres import migrated_database
 from fixtures.servers import ServiceProcess
 
+from coordinator.http.schemas import CommitRequest
+from coordinator.protocol.model import PartitionResult, PrecommitRecord
+
 ADMIN = "input-admin-token-93c1"
 SINK, OTHER = "orders", "payments"
 I32, I64 = 2**31, 2**63  # one past the largest Postgres integer / bigint
@@ -128,6 +131,21 @@ def test_integers_beyond_their_columns_are_refused_naming_the_field(world: World
         token = ADMIN if path == "/v1/sinks" else None
         invalid_field(w, w.call(method, path, body, token=token), method, path, field)
 
+
+def test_a_commits_partitions_become_the_records_the_rules_read() -> None:
+    """CommitRequest.results() builds its records without their dataclass __init__: each equals the
+    record built by it, with and without a pre-commit record and its optional fields."""
+    body = {"generation": 3, "partitions": [
+        {"partition": 0, "lease_id": None},
+        {"partition": 1, "lease_id": 11, "producer_id": 7, "producer_epoch": 2, "records": 5, "bytes": 50},
+        {"partition": 2, "lease_id": 12, "producer_id": 8, "producer_epoch": 0, "records": 1, "bytes": 9,
+         "write_ms": 40, "first_offsets": [["t", 0, 5], ["u", 3, 0]]},
+    ]}
+    assert CommitRequest.model_validate_json(json.dumps(body)).results() == [
+        PartitionResult(0, None, None),
+        PartitionResult(1, 11, PrecommitRecord(7, 2, 5, 50, None, None)),
+        PartitionResult(2, 12, PrecommitRecord(8, 0, 1, 9, 40, [("t", 0, 5), ("u", 3, 0)])),
+    ]
 
 
 def test_a_commits_partitions_are_checked_whole_naming_the_partition(world: World) -> None:

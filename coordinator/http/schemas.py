@@ -6,10 +6,18 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from typing_extensions import NotRequired, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
+from ..protocol.model import (
+    Attempt,
+    Checkpoint,
+    Lease,
+    PartitionResult,
+    PrecommitRecord,
+    Sink,
+)
+from ..service import AbortOutcome, BeginResult, CommitResult
 from .input import (
     AbortReason,
     BootstrapServers,
@@ -34,8 +42,6 @@ from .input import (
     TransactionalIdPrefix,
     TransactionTimeoutMs,
 )
-from ..protocol.model import Attempt, Checkpoint, Lease, PartitionResult, PrecommitRecord, Sink
-from ..service import AbortOutcome, BeginResult, CommitResult
 
 MAX_COMMIT_PARTITIONS = 100_000  # COORDINATOR_MAX_PARTITIONS' ceiling; the service applies the configured one
 
@@ -151,16 +157,14 @@ class CommitRequest(Request):
         return partitions
 
     def results(self) -> list[PartitionResult]:
-        out = []
-        for p in self.partitions:
-            record = None
-            if p.get("producer_id") is not None:
-                # (topic, partition, offset) tuples as validated: stored as JSON, where a tuple is an array
-                record = PrecommitRecord.from_fields(
-                    producer_id=p["producer_id"], producer_epoch=p["producer_epoch"], records=p["records"],
-                    bytes=p["bytes"], write_ms=p.get("write_ms"), first_offsets=p.get("first_offsets"))
-            out.append(PartitionResult.from_fields(partition=p["partition"], lease_id=p["lease_id"], precommit=record))
-        return out
+        result, record = PartitionResult.from_every_field, PrecommitRecord.from_every_field
+        # (topic, partition, offset) tuples as validated: stored as JSON, where a tuple is an array
+        return [
+            result(partition=p["partition"], lease_id=p["lease_id"], precommit=None if p.get("producer_id") is None
+                   else record(producer_id=p["producer_id"], producer_epoch=p["producer_epoch"], records=p["records"],
+                               bytes=p["bytes"], write_ms=p.get("write_ms"), first_offsets=p.get("first_offsets")))
+            for p in self.partitions
+        ]
 
 
 class AbortRequest(Request):

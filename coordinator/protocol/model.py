@@ -43,6 +43,14 @@ class _Record:
         record.__dict__.update(values)
         return record
 
+    @classmethod
+    def from_every_field(cls, **values: Any) -> Self:
+        """from_fields without its check of the names, for a loop whose one call site names every
+        field (a 200-partition commit's body builds 400 records: ~0.2 ms against ~0.45)."""
+        record = object.__new__(cls)
+        record.__dict__.update(values)
+        return record
+
     def with_changes(self, **changes: Any) -> Self:
         """A copy with some fields changed (what a statement wrote, when it answers only ids),
         built the way from_mapping builds records."""

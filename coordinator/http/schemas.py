@@ -115,9 +115,13 @@ class PrecommitBody(Request):
 TopicPartitionOffset = tuple[OffsetTopic, Partition, Count]
 
 
+# A TypedDict, not a model: validated as a dict without a model's instance (and its Python
+# validator) per partition, then turned into records by CommitRequest.results() (a 200-partition
+# body's parse and conversion in 0.85x the time).
 class PartitionResultBody(TypedDict):
-    """A partition of a commit: validated as a dict, not a model (a 200-partition commit's body in
-    ~0.6x the time), and turned into records by CommitRequest.results()."""
+    """One partition of the attempt: its winning lease (null if the partition was empty) and, when
+    the task returned it to the driver, the winner's pre-commit record (producer_id,
+    producer_epoch, records and bytes come together)."""
 
     __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
     partition: Partition

@@ -59,7 +59,8 @@ def create_app_from_env() -> FastAPI:
     )
     if settings.recovery_enabled:
         loop = RecoveryLoop(
-            coordinator, interval_ms=settings.recovery_interval_ms, leader_ttl_ms=settings.recovery_leader_ttl_ms
+            coordinator, interval_ms=settings.recovery_interval_ms, leader_ttl_ms=settings.recovery_leader_ttl_ms,
+            finish_grace_ms=settings.commit_reach().recovery_grace_ms,
         )
         with_recovery_loop(app, loop)
     else:

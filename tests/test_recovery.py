@@ -25,7 +25,7 @@ from coordinator.kafka.control_plane import (
     RecordingControlPlane,
 )
 from coordinator.protocol import errors as e
-from coordinator.protocol import recovery_rules
+from coordinator.protocol import recovery_rules, rules
 from coordinator.protocol.invariants import check_invariants
 from coordinator.protocol.model import Lease
 from coordinator.protocol.model import PartitionResult as PR
@@ -196,6 +196,47 @@ def test_run_once_finishes_a_decided_commit_without_the_driver(
     assert loop.run_once().sinks[NAME].committed == []
     assert (len(kafka.commits), len(kafka.aborts)) == calls
     assert metric("coordinator_recovery_commits_finished_total") == finished_before + 1
+
+
+def test_a_commit_decided_within_the_grace_is_left_to_the_call_deciding_it(
+    coordinator: Coordinator, kafka: RecordingControlPlane, clock: ManualClock
+) -> None:
+    """The service's loop leaves a decision younger than its commit reach's recovery grace alone
+    (the deciding call still retries its EndTxn; the loop's would race it): the loop does not even
+    find it due, and the finishing operation passes it over; once the grace is over, both act."""
+    c = coordinator
+    gen = start(c)
+    attempt = begin(c, gen, 0)
+    w0 = lease(c, gen, 0, attempt, 0)
+    kafka.fail_next(UNREACHABLE, times=1)
+    with pytest.raises(e.Unavailable):
+        c.commit(NAME, 0, attempt, gen, [PR(0, w0.id)], ACTOR)
+    grace_ms = 5_000
+    loop = RecoveryLoop(c, interval_ms=50, leader_ttl_ms=10_000, holder="replica-g", finish_grace_ms=grace_ms)
+    sent = len(kafka.commits)
+
+    clock.advance(ms=grace_ms - 1)
+    assert [due for name, _, due in loop._sinks_due() if name == NAME] == [set()]
+    assert c.finish_decided_commits(NAME, grace_ms).committed == []
+    r = loop.run_once().sinks[NAME]
+    assert r.committed == [] and r.errors == {} and len(kafka.commits) == sent
+    assert c.snapshot().checkpoints[0].state is CheckpointState.COMMITTING
+
+    clock.advance(ms=1)
+    assert [due for name, _, due in loop._sinks_due() if name == NAME] == [{"finish"}]
+    r = loop.run_once().sinks[NAME]
+    assert r.committed == [0] and len(kafka.commits) == sent + 1
+    assert c.snapshot().checkpoints[0].state is CheckpointState.COMMITTED
+    assert_invariants(c)
+
+
+def test_the_recovery_grace_keeps_a_decided_commit_within_its_reach() -> None:
+    """The loop starts on a decision at most grace + failover after it, and its request lands
+    within the request timeout: no later than the reach every commit margin exceeds."""
+    reach = rules.CommitReach(request_timeout_ms=4_000, retry_budget_ms=8_000, leader_ttl_ms=6_000,
+                              recovery_interval_ms=2_000)
+    assert 0 < reach.recovery_grace_ms
+    assert reach.recovery_grace_ms + reach.failover_ms + reach.request_timeout_ms <= reach.total_ms
 
 
 def test_run_once_reports_a_commit_refused_for_good_as_lost(

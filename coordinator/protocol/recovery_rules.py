@@ -9,7 +9,7 @@ decision changes nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Protocol, TypeVar
 
 from . import rules
@@ -33,16 +33,30 @@ class _HasTransactionalId(Protocol):
 T = TypeVar("T", bound=_HasTransactionalId)
 
 
-def checkpoints_to_finish(checkpoints: Iterable[Checkpoint], committing_leases: Iterable[Lease]) -> list[int]:
+def checkpoints_to_finish(
+    checkpoints: Iterable[Checkpoint], committing_leases: Iterable[Lease], now: datetime | None = None,
+    grace_ms: int = 0,
+) -> list[int]:
     """Decided commits still to finish: COMMITTING checkpoints (even with no winner left to commit:
     the crash may have come between the last winner and the final mark), and LOST ones whose other
-    winners are still to commit (the refused winner does not stop the others)."""
+    winners are still to commit (the refused winner does not stop the others). With `grace_ms`,
+    only those decided at least that long before `now`: a younger decision is left to the call that
+    made it, which is still committing it (the loop's EndTxn would race its own)."""
     with_winners = {x.checkpoint_id for x in committing_leases if x.state is LeaseState.COMMITTING}
     out = [
         c.id for c in checkpoints
-        if c.state is CheckpointState.COMMITTING or (c.state is CheckpointState.LOST and c.id in with_winners)
+        if (c.state is CheckpointState.COMMITTING or (c.state is CheckpointState.LOST and c.id in with_winners))
+        and not decided_within(c, now, grace_ms)
     ]
     return sorted(set(out))
+
+
+def decided_within(checkpoint: Checkpoint, now: datetime | None, grace_ms: int) -> bool:
+    """Whether the checkpoint was decided less than grace_ms before now."""
+    if grace_ms <= 0 or checkpoint.decided_at is None:
+        return False
+    assert now is not None, "a grace needs the time"
+    return checkpoint.decided_at > now - timedelta(milliseconds=grace_ms)
 
 
 def expired_leases(leases: Iterable[Lease], attempts: Iterable[Attempt], now: datetime, margin_ms: int) -> list[Lease]:

@@ -90,6 +90,14 @@ class CommitReach:
     def total_ms(self) -> int:
         return self.request_timeout_ms + self.retry_budget_ms + self.failover_ms
 
+    @property
+    def recovery_grace_ms(self) -> int:
+        """How young a decided commit the recovery loop leaves to the call that decided it (which
+        retries its EndTxn that long): the loop's own EndTxn would race that call's. Waiting this
+        long keeps the reach: the loop starts by grace + failover after the decision, its request
+        lands within the request timeout, the sum `total_ms` already counts."""
+        return self.retry_budget_ms
+
     def describe(self) -> str:
         return (f"Kafka request timeout {self.request_timeout_ms} + commit retry budget {self.retry_budget_ms} + "
                 f"recovery-leader failover {self.failover_ms} (leader TTL {self.leader_ttl_ms} + loop interval "

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, exists, literal, or_, select, text
+from sqlalchemy import Engine, exists, literal, or_, select, text, true
 
 from ..kafka.control_plane import ControlPlaneError
 from ..protocol import recovery_rules
@@ -77,11 +77,16 @@ _SLACK = timedelta(seconds=1)
 _MS = text("interval '1 millisecond'")
 
 
-def _due_query(now: datetime) -> Any:
+def _due_query(now: datetime, finish_grace_ms: int = 0) -> Any:
     leases, lease_in = unresolved_leases, repo.unresolved_in  # ix_lease_rows_unresolved and ix_attempts_open
+    # as recovery_rules.checkpoints_to_finish: a commit decided within the grace is its decider's
+    old_enough = true() if finish_grace_ms <= 0 else or_(
+        checkpoints.c.decided_at.is_(None), checkpoints.c.decided_at <= literal(now - timedelta(milliseconds=finish_grace_ms)))
     finish = or_(
-        exists().where(checkpoints.c.sink_id == sinks.c.id, checkpoints.c.state == CheckpointState.COMMITTING.value),
-        exists().where(leases.c.sink_id == sinks.c.id, lease_in(LeaseState.COMMITTING)),  # winners of LOST ones
+        exists().where(checkpoints.c.sink_id == sinks.c.id, checkpoints.c.state == CheckpointState.COMMITTING.value,
+                       old_enough),
+        exists().where(leases.c.sink_id == sinks.c.id, lease_in(LeaseState.COMMITTING),  # winners of LOST ones
+                       *([] if finish_grace_ms <= 0 else [checkpoints.c.id == leases.c.checkpoint_id, old_enough])),
     )
     pending_aborts = exists().where(leases.c.sink_id == sinks.c.id, lease_in(*ABORT_PENDING_STATES))
     expired_leases = exists().where(  # recovery_rules.expired_leases / rules.deadline_too_close
@@ -189,7 +194,10 @@ class RecoveryLoop:
         holder: str | None = None,
         max_backoff_ms: int = 60_000,
         monotonic: Callable[[], float] = time.monotonic,
+        finish_grace_ms: int = 0,
     ) -> None:
+        """`finish_grace_ms`: a decided commit younger than this is left to the call that decided
+        it (the service passes its commit reach's recovery_grace_ms; 0 finishes it at once)."""
         if leader_ttl_ms <= interval_ms:
             raise ValueError(
                 f"the recovery leader TTL ({leader_ttl_ms} ms) must exceed the loop interval ({interval_ms} ms), "
@@ -197,6 +205,7 @@ class RecoveryLoop:
             )
         self.coordinator = coordinator
         self.interval_ms = interval_ms
+        self.finish_grace_ms = finish_grace_ms
         self.max_backoff_ms = max(max_backoff_ms, interval_ms)
         self.lease = LeaderLease(coordinator.engine, holder or default_holder(), leader_ttl_ms)
         self._monotonic = monotonic
@@ -246,7 +255,7 @@ class RecoveryLoop:
         """Every live sink: its name, whether it is halted, and the database steps that may have work."""
         c = self.coordinator
         with c.engine.connect() as conn:
-            rows = conn.execute(_due_query(c.clock.now_in(conn))).all()
+            rows = conn.execute(_due_query(c.clock.now_in(conn), self.finish_grace_ms)).all()
         return [(r.name, r.halted, {s for s in STEPS if s != "sweep" and getattr(r, s)}) for r in rows]
 
     def _acquire(self) -> int | None:
@@ -266,7 +275,7 @@ class RecoveryLoop:
         has_kafka = c.control_plane is not None
 
         def finish() -> None:
-            out = c.finish_decided_commits(name)
+            out = c.finish_decided_commits(name, self.finish_grace_ms)
             r.committed, r.lost, r.commit_pending = out.committed, out.lost, out.failed
             if out.committed:
                 metrics.RECOVERED_COMMITS.labels(name).inc(len(out.committed))

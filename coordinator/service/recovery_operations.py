@@ -38,10 +38,13 @@ class RecoveryOperations(Reads):
             )
         return self._abort_on_kafka(name, pending)
 
-    def finish_decided_commits(self, name: str) -> FinishOutcome:
+    def finish_decided_commits(self, name: str, grace_ms: int = 0) -> FinishOutcome:
         """Finish every decided commit of the sink (COMMITTING checkpoints, and winners of LOST
-        ones still to commit), then end their losers' transactions. Nobody needs to call back."""
+        ones still to commit), then end their losers' transactions. Nobody needs to call back.
+        `grace_ms`: leave the commits decided more recently than that to the calls deciding them
+        (recovery_rules.checkpoints_to_finish)."""
         with self.engine.connect() as conn:
+            now = self.clock.now_in(conn)
             sink = repo.sink_by_name(conn, name)
             candidates = [
                 repo.as_checkpoint(r) for r in conn.execute(
@@ -57,7 +60,7 @@ class RecoveryOperations(Reads):
             ) if candidates else []
         by_id = {c.id: c for c in candidates}
         out = FinishOutcome()
-        for cp_id in recovery_rules.checkpoints_to_finish(candidates, committing):
+        for cp_id in recovery_rules.checkpoints_to_finish(candidates, committing, now, grace_ms):
             batch = by_id[cp_id].batch_id
             try:
                 try:

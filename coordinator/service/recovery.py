@@ -80,8 +80,9 @@ _MS = text("interval '1 millisecond'")
 def _due_query(now: datetime, finish_grace_ms: int = 0) -> Any:
     leases, lease_in = unresolved_leases, repo.unresolved_in  # ix_lease_rows_unresolved and ix_attempts_open
     # as recovery_rules.checkpoints_to_finish: a commit decided within the grace is its decider's
+    decided_before = literal(now - timedelta(milliseconds=finish_grace_ms))
     old_enough = true() if finish_grace_ms <= 0 else or_(
-        checkpoints.c.decided_at.is_(None), checkpoints.c.decided_at <= literal(now - timedelta(milliseconds=finish_grace_ms)))
+        checkpoints.c.decided_at.is_(None), checkpoints.c.decided_at <= decided_before)
     finish = or_(
         exists().where(checkpoints.c.sink_id == sinks.c.id, checkpoints.c.state == CheckpointState.COMMITTING.value,
                        old_enough),

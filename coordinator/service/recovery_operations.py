@@ -44,7 +44,7 @@ class RecoveryOperations(Reads):
         `grace_ms`: leave the commits decided more recently than that to the calls deciding them
         (recovery_rules.checkpoints_to_finish)."""
         with self.engine.connect() as conn:
-            now = self.clock.now_in(conn)
+            now = self.clock.now_in(conn) if grace_ms > 0 else None  # the clock only for a grace
             sink = repo.sink_by_name(conn, name)
             candidates = [
                 repo.as_checkpoint(r) for r in conn.execute(

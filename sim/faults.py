@@ -56,6 +56,10 @@ class FaultConfig:
     recovery_tick: float = 0.2  # per driver step: a recovery-loop iteration runs now
     leader_failover: float = 0.2  # per recovery tick with two replicas: the leader steps down
     two_replicas: float = 0.5  # per schedule
+    orphaned_commit: float = 0.05  # per commit: the driver dies with its commit in flight, and the replica
+    #                                dies at one of its Kafka calls (after the decision, or before it)
+    driver_down_long: float = 0.1  # per driver restart: the driver stays down past the transaction timeout,
+    #                                so only the recovery loop finishes what it decided (within the commit reach)
     # issue 15's fault kinds (off by default until the protocol fixes of items 1-3 and the first
     # offsets of item 5 land; `with_issue_15()` turns them on)
     zombie_executor: float = 0.0  # per task: the try stalls before InitProducerId, Spark re-runs it,

@@ -14,6 +14,7 @@ sees the Sim only through its `SimWorld` protocol).
 
 from __future__ import annotations
 
+import math
 import random
 import uuid
 from collections import Counter
@@ -76,6 +77,10 @@ T = TypeVar("T")
 
 TIMEOUT_MS = 10_000
 MARGIN_MS = 2_000
+# The recovery loop leaves a decision this young to the call that made it (the service's
+# CommitReach.recovery_grace_ms, its commit retry budget): well inside the margin, as the service's
+# settings check requires of a deployment.
+RECOVERY_GRACE_MS = MARGIN_MS // 4
 MAX_DRIVER_RUNS = 8
 # How late a stalled executor try's InitProducerId may still reach the broker after its lease was
 # granted (the executor refuses to start init_transactions on an older lease, and the request then
@@ -165,7 +170,8 @@ class Replica:
         c._kafka_pool.shutdown(wait=False)
         c._kafka_pool = _SyncPool()  # type: ignore[assignment]
         self.coordinator = c
-        self.loop = RecoveryLoop(c, interval_ms=5_000, leader_ttl_ms=600_000, holder=f"sim-replica-{self.index}")
+        self.loop = RecoveryLoop(c, interval_ms=5_000, leader_ttl_ms=600_000, holder=f"sim-replica-{self.index}",
+                                 finish_grace_ms=sim.recovery_grace_ms)
 
     def restart(self) -> None:
         self.restarts += 1
@@ -224,9 +230,10 @@ class Client:
 
 class Sim:
     def __init__(self, seed: int, engine: Engine, config: FaultConfig | None = None, *, n_batches: int | None = None,
-                 one_clock: bool = True) -> None:
+                 one_clock: bool = True, recovery_grace_ms: int = RECOVERY_GRACE_MS) -> None:
         self.seed = seed
         self.one_clock = one_clock  # False: the broken variant whose protocol reads each replica's own clock
+        self.recovery_grace_ms = recovery_grace_ms
         self.engine = engine
         self.rng = random.Random(seed)
         self.faults = Faults(self.rng, config or FaultConfig())
@@ -399,6 +406,23 @@ class Sim:
         self.trace(f"  coordinator replica {replica.index} restarted")
         replica.restart()
 
+    def orphan_call(self, name: str, fn: Callable[[Coordinator], Any]) -> None:
+        """A call whose client is gone (the driver died with it in flight), and the replica serving
+        it dies at its first or second Kafka call: nobody retries it, so what it decided is left to
+        the next driver's begin or to the recovery loop."""
+        self.faults.fired("orphaned_commit", name)
+        self.trace(f"  !! the driver dies with its {name} in flight; the replica serving it dies too")
+        replica = self.pick_replica()
+        with self.operation(f"{name} (orphaned)", inject=False):
+            self.injector.arm("crash_kafka", self.rng.randint(1, 2), self.rng.choice(["before", "after"]))
+            try:
+                fn(replica.coordinator)
+            except (CoordinatorCrash, Exception):  # noqa: BLE001 - the crash or the call's own refusal: no one hears it
+                pass
+            died = self.injector.dead
+        if died:
+            self.restart_replica(replica)
+
     @contextmanager
     def operation(self, name: str, *, inject: bool) -> Iterator[None]:
         """One coordinator operation: maybe arm a crash / connection failure at a step inside it."""
@@ -455,27 +479,52 @@ class Sim:
         with self.engine.begin() as conn:
             conn.execute(text("UPDATE recovery_leader SET expires_at = now() - interval '1 millisecond'"))
 
-    def committing_batches(self) -> list[int]:
+    def unfinished_decisions(self) -> list[datetime]:
+        """When each COMMITTING checkpoint of the sink was decided."""
         assert self.sink_id is not None
         with self.engine.connect() as conn:
-            return list(conn.execute(select(checkpoints.c.batch_id).where(
+            return [at or self.clock.now() for at in conn.execute(select(checkpoints.c.decided_at).where(
                 checkpoints.c.sink_id == self.sink_id,
-                checkpoints.c.state == CheckpointState.COMMITTING.value)).scalars())
+                checkpoints.c.state == CheckpointState.COMMITTING.value)).scalars()]
+
+    def finish_decided_commits(self, why: str, iterations: int) -> int:
+        """Recovery iterations until no decided commit is left unfinished; the ms waited. The loop
+        leaves a decision younger than its grace to the call that made it, so time first moves on
+        to when the youngest is due, as the loop's next iteration in a deployment would find it."""
+        waited = 0
+        for _ in range(iterations):
+            decided = self.unfinished_decisions()
+            if not decided:
+                break
+            due_in = math.ceil((max(decided) - self.clock.now()) / timedelta(milliseconds=1)) + self.recovery_grace_ms
+            if due_in > 0:
+                self.advance(due_in)
+                waited += due_in
+            self.recovery_tick(why, inject=False)
+        return waited
 
     def maybe_near_timeout(self, where: str, *, task: bool = False) -> None:
         """The clock jumps close to the transaction timeout (a slow task, a long GC, a slow job).
-        A correctly configured deployment finishes decided commits well within the margin, so a
-        recovery iteration runs first if a decided commit is still unfinished."""
+        A correctly configured deployment finishes decided commits well within the margin, so the
+        recovery loop finishes a decided commit still unfinished during the pause (its grace is
+        part of the pause)."""
         if not self.faults.roll("near_timeout"):
             return
-        for _ in range(5):
-            if not self.committing_batches():
-                break
-            self.recovery_tick("before a long pause", inject=False)
-        jump = self.timeout_ms - self.margin_ms + self.rng.randint(-self.margin_ms, self.margin_ms)
+        waited = self.finish_decided_commits("during a long pause", 5)
+        jump = max(0, self.timeout_ms - self.margin_ms + self.rng.randint(-self.margin_ms, self.margin_ms) - waited)
         self.faults.fired("near_timeout", f"{jump}ms {where}")
         self.trace(f"  !! clock jumps {jump} ms ({where})")
         self.advance(jump)
+
+    def driver_stays_down(self) -> None:
+        """The driver is down past every transaction timeout (a cluster restart, a job resubmitted
+        later): no call of its own finishes a commit it decided, only the recovery loop does, and it
+        must before the broker aborts the transactions. The loop keeps running after that too."""
+        self.faults.fired("driver_down_long")
+        self.trace("  !! the driver stays down past the transaction timeout")
+        waited = self.finish_decided_commits("while the driver is down", 5)
+        self.advance(max(0, self.timeout_ms + self.margin_ms - waited))
+        self.recovery_tick("while the driver is down", inject=False)
 
     # --- zombies (I5) -------------------------------------------------------------------------
 
@@ -590,7 +639,10 @@ class Sim:
                 self.trace(f"driver {driver.run_id}: query failed ({why})")
                 if isinstance(exc, e.Conflict) and "offset" in exc.reason:
                     self.operator_restores_newest_checkpoint(exc.reason)
-            self.advance(self.rng.randint(0, self.small_delay_ms))  # the restart takes a moment
+            if self.faults.roll("driver_down_long"):
+                self.driver_stays_down()
+            else:
+                self.advance(self.rng.randint(0, self.small_delay_ms))  # the restart takes a moment
             self.check_db(settled=False, when=f"after driver run {runs}")
         self.faults.enabled = False
         self.quiesce()
@@ -601,10 +653,8 @@ class Sim:
         past every timeout, and recovery again."""
         self.fire_all_executor_zombies()
         self._release_leadership()
-        for _ in range(6):
-            self.recovery_tick("quiesce", inject=False)
-            if not self.committing_batches():
-                break
+        self.recovery_tick("quiesce", inject=False)
+        self.finish_decided_commits("quiesce", 5)
         # I6 before the clock jump (after it the broker has expired everything): every transaction
         # still open under the prefix is one an unresolved lease explains
         unexplained = recovery_rules.lingering(self.model.list_open(self.prefix + "-"), self.snapshot().leases,

@@ -110,6 +110,7 @@ class SimWorld(Protocol):
     def maybe_near_timeout(self, where: str, *, task: bool = False) -> None: ...
     def on_generation_started(self, driver: Driver) -> None: ...
     def executor_zombie(self, transactional_id: str, rows: list[str]) -> None: ...
+    def orphan_call(self, name: str, fn: Callable[[Coordinator], Any]) -> None: ...
 
 
 class Driver:
@@ -174,7 +175,13 @@ class Driver:
         results = self.run_job(batch, attempt, records, n, {x.partition: x for x in r.pre_leases})
         self.crash_point(f"batch {batch} job done")
         sim.maybe_near_timeout(f"before commit of batch {batch}")
-        sim.client.call("commit", lambda c: c.commit(sim.sink, batch, attempt, gen, results, "driver"))
+        def commit(c: Coordinator) -> Any:
+            return c.commit(sim.sink, batch, attempt, gen, results, "driver")
+
+        if sim.faults.roll("orphaned_commit"):
+            sim.orphan_call(f"commit of batch {batch}", commit)
+            raise DriverCrash(f"batch {batch} commit in flight")
+        sim.client.call("commit", commit)
         sim.trace(f"committed batch {batch} attempt {attempt}: {[(p.partition, sim.local_lease(p.lease_id)) for p in results]}")
 
     # --- the job ----------------------------------------------------------------------------

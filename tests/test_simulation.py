@@ -37,6 +37,7 @@ from sim.kafka_model import (
     KafkaModel,
     ModelControlPlane,
 )
+from sim import runner
 from sim.runner import ScheduleResult, run_one
 
 SCHEDULES = 300
@@ -66,7 +67,8 @@ def test_300_seeded_schedules_keep_every_invariant(engine: Engine) -> None:
     # the faults really happened, every kind of them, at a useful rate
     for kind in ("driver_crash", "zombie_driver", "executor_crash", "speculative_task", "coordinator_crash",
                  "db_failure", "request_fail", "lost_response", "duplicate_request", "kafka_fail",
-                 "kafka_lost_response", "kafka_delay", "near_timeout", "leader_failover", "two_replicas"):
+                 "kafka_lost_response", "kafka_delay", "near_timeout", "leader_failover", "two_replicas",
+                 "orphaned_commit", "driver_down_long"):
         assert faults[kind] >= 10, (kind, faults)
     assert sum(r.committed for r in results) == sum(r.batches for r in results)
 
@@ -418,6 +420,33 @@ def test_the_reuse_check_flags_an_id_leased_again_within_reach_whatever_kafka_sa
     found = first_violation(engine, config, range(6100, 6160))
     assert found is not None, "no violation within 60 seeds"
     assert any(v.startswith("R1") for v in found.violations), found.report()
+
+
+def loop_finishes(result: ScheduleResult) -> int:
+    """How many times the schedule's recovery loop committed a decision while the driver was down."""
+    return sum(1 for line in result.trace if "recovery (" in line and "while the driver is down" in line
+               and "committed=" in line)
+
+
+def test_the_recovery_loop_finishes_an_orphaned_commit_within_the_timeout(engine: Engine) -> None:
+    """The driver dies with its commit in flight, the replica deciding it dies too, and the driver
+    stays down past the transaction timeout: the loop (after its grace) is the only one to finish
+    the decision, and must before the broker aborts it."""
+    config = FaultConfig().scaled(orphaned_commit=0.3, driver_down_long=0.5)
+    results = [run_one(engine, seed, config, keep_on_failure=False) for seed in range(9500, 9530)]
+    bad = [r for r in results if not r.ok]
+    assert not bad, bad[0].report()
+    assert sum(loop_finishes(r) for r in results) >= 3, "the loop never finished an orphaned commit"
+
+
+def test_checker_catches_a_recovery_grace_past_the_transaction_timeout(engine: Engine) -> None:
+    """The broken variant: the loop leaves decisions to their (dead) callers for longer than the
+    transaction timeout, so the broker aborts them first and the decided batches are lost."""
+    config = FaultConfig().scaled(orphaned_commit=0.3, driver_down_long=0.5)
+    found = first_violation_kw(engine, config, range(9500, 9540),
+                               recovery_grace_ms=runner.TIMEOUT_MS + runner.MARGIN_MS)
+    assert found is not None, "no violation within 40 seeds"
+    assert any(v.startswith(("LOST", "I4", "I7")) for v in found.violations), found.report()
 
 
 def test_checker_catches_replicas_deciding_on_their_own_clocks(engine: Engine) -> None:

@@ -1,7 +1,7 @@
 """The deterministic fault-injection simulation (sim/): 300 seeded schedules against the real
 coordinator and Postgres with the Kafka model, the model's own rules, the model against a real
-Kafka broker of each transaction version, and three deliberately broken coordinators the checker
-must catch.
+Kafka broker of each transaction version, and deliberately broken coordinators and deployments
+the checker must catch.
 """
 
 from __future__ import annotations

@@ -444,8 +444,10 @@ class Sim:
 
     # --- recovery, time ---------------------------------------------------------------------------
 
-    def recovery_tick(self, why: str, *, inject: bool = True) -> None:
-        replica = self.pick_replica()
+    def recovery_tick(self, why: str, *, inject: bool = True, replica: Replica | None = None) -> None:
+        """One iteration of a replica's recovery loop (a random one's unless named)."""
+        if replica is None:
+            replica = self.pick_replica()
         if inject:
             self.maybe_step_clock_back()
         if inject and len(self.replicas) > 1 and self.faults.roll("leader_failover"):
@@ -490,7 +492,8 @@ class Sim:
     def finish_decided_commits(self, why: str, iterations: int) -> int:
         """Recovery iterations until no decided commit is left unfinished; the ms waited. The loop
         leaves a decision younger than its grace to the call that made it, so time first moves on
-        to when the youngest is due, as the loop's next iteration in a deployment would find it."""
+        to when the youngest is due, as the loop's next iteration in a deployment would find it.
+        Every replica's loop runs (only the leader's acts), as in a deployment."""
         waited = 0
         for _ in range(iterations):
             decided = self.unfinished_decisions()
@@ -500,8 +503,12 @@ class Sim:
             if due_in > 0:
                 self.advance(due_in)
                 waited += due_in
-            self.recovery_tick(why, inject=False)
+            self.every_recovery_loop(why)
         return waited
+
+    def every_recovery_loop(self, why: str) -> None:
+        for replica in self.replicas:
+            self.recovery_tick(why, inject=False, replica=replica)
 
     def maybe_near_timeout(self, where: str, *, task: bool = False) -> None:
         """The clock jumps close to the transaction timeout (a slow task, a long GC, a slow job).
@@ -524,7 +531,7 @@ class Sim:
         self.trace("  !! the driver stays down past the transaction timeout")
         waited = self.finish_decided_commits("while the driver is down", 5)
         self.advance(max(0, self.timeout_ms + self.margin_ms - waited))
-        self.recovery_tick("while the driver is down", inject=False)
+        self.every_recovery_loop("while the driver is down")
 
     # --- zombies (I5) -------------------------------------------------------------------------
 
@@ -653,7 +660,7 @@ class Sim:
         past every timeout, and recovery again."""
         self.fire_all_executor_zombies()
         self._release_leadership()
-        self.recovery_tick("quiesce", inject=False)
+        self.every_recovery_loop("quiesce")
         self.finish_decided_commits("quiesce", 5)
         # I6 before the clock jump (after it the broker has expired everything): every transaction
         # still open under the prefix is one an unresolved lease explains

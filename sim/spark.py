@@ -175,6 +175,7 @@ class Driver:
         results = self.run_job(batch, attempt, records, n, {x.partition: x for x in r.pre_leases})
         self.crash_point(f"batch {batch} job done")
         sim.maybe_near_timeout(f"before commit of batch {batch}")
+
         def commit(c: Coordinator) -> Any:
             return c.commit(sim.sink, batch, attempt, gen, results, "driver")
 

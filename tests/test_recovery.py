@@ -616,6 +616,63 @@ def test_idle_sinks_cost_the_loop_one_query_whatever_their_number(engine: Engine
         c.close()
 
 
+def test_the_leadership_is_renewed_before_a_busy_sink_only_once_a_quarter_ttl_has_passed(
+    engine: Engine, clock: ManualClock
+) -> None:
+    """With a control plane every sink has work (its sweep). The leader renews at the start of the
+    iteration, then before a sink only once a quarter of the TTL has passed since: not once per
+    sink. A renewal that finds the lease taken over stops the iteration at once."""
+    c = Coordinator(engine, RecordingControlPlane(), clock=clock, limits=Limits(max_partitions=16))
+    now = [0.0]
+    loop = RecoveryLoop(c, interval_ms=50, leader_ttl_ms=10_000, monotonic=lambda: now[0])
+    renewals: list[str] = []
+
+    def count(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        if "recovery_leader" in statement:
+            renewals.append(statement)
+
+    names = [f"busy-{i}" for i in range(6)]
+    try:
+        for name in names:
+            start(c, name, f"{name}-eos")
+        event.listen(engine, "before_cursor_execute", count)
+        try:
+            r = loop.run_once()
+            assert r.leader and not r.lost_leadership and set(names) <= set(r.sinks)
+            assert len(renewals) == 1, renewals  # the iteration's own; no time passed before the sinks
+            renewals.clear()
+
+            def sweep_and_wait(name: str) -> object:  # each sink's sweep takes a quarter of the TTL
+                now[0] += 2.5
+                return original(name)
+
+            original = c.sweep_lingering
+            c.sweep_lingering = sweep_and_wait  # type: ignore[method-assign]
+            r = loop.run_once()
+            assert not r.lost_leadership and set(names) <= set(r.sinks)
+            assert len(renewals) == len(r.sinks), renewals  # the iteration's, then before every sink but the first
+
+            taken: list[int | None] = []
+
+            def sweep_while_taken_over(name: str) -> object:  # the lease lapses and another replica takes it
+                if not taken:
+                    with engine.begin() as conn:
+                        conn.execute(text("UPDATE recovery_leader SET expires_at = now() - interval '1 millisecond'"))
+                    taken.append(LeaderLease(engine, "other", 10_000).acquire())
+                now[0] += 2.5
+                return original(name)
+
+            c.sweep_lingering = sweep_while_taken_over  # type: ignore[method-assign]
+            r = loop.run_once()
+            assert taken[0] is not None
+            assert r.lost_leadership and len(r.sinks) == 1  # the next sink's renewal found it lost: no more work
+        finally:
+            event.remove(engine, "before_cursor_execute", count)
+    finally:
+        loop.stop()
+        c.close()
+
+
 def test_no_control_plane_leaves_kafka_work_pending(engine: Engine, clock: ManualClock) -> None:
     c = Coordinator(engine, None, clock=clock, limits=Limits(max_partitions=16))
     loop = RecoveryLoop(c, interval_ms=50, leader_ttl_ms=1_000)

@@ -5,8 +5,9 @@ broker for lingering transactions and warns before pre-committed transactions ti
 Leadership is a lease row with a fencing token (`recovery_leader`): one UPDATE takes the row when
 its lease has expired, or renews it for its holder, comparing with the *database's* clock
 (`now()`), so the replicas' clocks do not matter. The token grows whenever the holder changes;
-the leader renews before every sink it has work for and stops its iteration as soon as it no
-longer holds the lease. Exclusivity is about not doing the work N times (and not raising every alert N times):
+the leader renews at the start of each iteration, and again before a sink it has work for once a
+quarter of the TTL has passed since, and stops its iteration as soon as it no longer holds the
+lease. Exclusivity is about not doing the work N times (and not raising every alert N times):
 correctness does not depend on it, because every change the loop makes is a compare-and-set,
 safe against the API doing the same work concurrently (a driver's resume, another replica).
 
@@ -214,6 +215,7 @@ class RecoveryLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._token: int | None = None
+        self._renewed_at = float("-inf")  # monotonic time of the last acquire that returned a token
         self.iterations = 0
 
     @property
@@ -246,7 +248,7 @@ class RecoveryLoop:
                 metrics.TRANSACTIONS_NEAR_TIMEOUT.labels(name).set(0)
                 report.sinks[name] = SinkReport(name)
                 continue
-            if self._acquire() != token:  # renew before each sink with work; stop at once if it was lost
+            if self._renewal_due() and self._acquire() != token:  # stop at once if it was lost
                 report.lost_leadership = True
                 break
             report.sinks[name] = self._run_sink(name, honor_backoff, due)
@@ -259,8 +261,17 @@ class RecoveryLoop:
             rows = conn.execute(_due_query(c.clock.now_in(conn), self.finish_grace_ms)).all()
         return [(r.name, r.halted, {s for s in STEPS if s != "sweep" and getattr(r, s)}) for r in rows]
 
+    def _renewal_due(self) -> bool:
+        """Before a sink with work, the leadership is renewed if a quarter of its TTL has passed
+        since the last renewal: the lease then has at least three quarters of the TTL left whenever
+        a sink's steps start (no other replica can take it over before it expires), and a loop over
+        many busy sinks does not update the leadership row once per sink."""
+        return self._monotonic() - self._renewed_at >= self.lease.ttl_ms / 4000
+
     def _acquire(self) -> int | None:
+        renewing_at = self._monotonic()
         token = self.lease.acquire()
+        self._renewed_at = renewing_at if token is not None else float("-inf")
         if token != self._token:
             if token is None:
                 log.warning("recovery loop: %s no longer leads (token %s)", self.holder, self._token)

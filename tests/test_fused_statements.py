@@ -311,6 +311,111 @@ def test_a_finisher_that_finds_the_commit_marked_by_another_answers_it_committed
     assert answer.attempt.finished_at == others[0].attempt.finished_at  # as the other finisher left it
 
 
+def _ran(engine: Engine) -> list[str]:
+    """Which of the two committed marks run from now on, in order."""
+    names = {hot_path._MARK_FIRST_TRIES_COMMITTED.sql: "first-tries mark", hot_path._MARK_COMMITTED.sql: "mark"}
+    ran: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if statement in names:
+            ran.append(names[statement])
+
+    event.listen(engine, "before_cursor_execute", before)
+    return ran
+
+
+def _first_tries_mark_without(guard: str) -> DriverStatement:
+    source = _source(hot_path._MARK_FIRST_TRIES_COMMITTED)
+    assert source.count(guard) == 1
+    return DriverStatement(source.replace(guard, ""))
+
+
+@pytest.mark.parametrize("empty", [True, False], ids=["an-empty-partition", "every-partition-won"])
+def test_the_deciding_call_marks_its_first_tries_without_reading_the_row(
+    db_clock_coordinator: Coordinator, engine: Engine, empty: bool
+) -> None:
+    """The common path's mark names the checkpoint's every lease (the winners and the first tries
+    the decision ended unused) instead of reading them back: its answer is the one the record gives
+    a retried commit, and the ids are free again."""
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    begun = c.begin_checkpoint(NAME, 1, gen, "test", partitions=3)
+    results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50)) for x in begun.pre_leases]
+    if empty:
+        results[1] = PartitionResult(1, None)
+    ran = _ran(engine)
+    answer = c.commit(NAME, 1, begun.attempt.number, gen, results, "test")
+    assert ran == ["first-tries mark"]
+    assert answer.checkpoint.state is CheckpointState.COMMITTED and answer.attempt.state == "COMMITTED"
+    assert [x.partition for x in answer.winners] == ([0, 2] if empty else [0, 1, 2])
+    assert answer.aborts.aborted == ([begun.pre_leases[1].transactional_id] if empty else [])
+    assert answer == c.commit(NAME, 1, begun.attempt.number, gen, results, "test")  # a retry: from the record
+    assert ran == ["first-tries mark"]
+    detail = c.checkpoint_detail(NAME, 1)
+    assert sorted(answer.winners + [x for x in detail.leases if x.state is LeaseState.ABORTED],
+                  key=lambda x: x.id) == detail.leases
+    with c.engine.connect() as conn:
+        assert set(conn.execute(select(transactional_ids.c.state)).scalars()) == {"FREE"}
+
+
+def test_the_mark_of_first_tries_leaves_a_checkpoint_with_other_leases_to_the_general_mark(
+    db_clock_coordinator: Coordinator, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An earlier attempt of the batch left its leases as lease rows: the first tries' mark finds
+    them (its guard), changes nothing, and the general mark answers with them. A broken variant
+    without that guard answers without the earlier attempt's aborted transactions."""
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+
+    def commit_after_an_aborted_attempt(batch_id: int) -> tuple[Any, Any, Any]:
+        first = c.begin_checkpoint(NAME, batch_id, gen, "test", partitions=2)
+        c.abort_attempt(NAME, batch_id, first.attempt.number, gen, "driver gave up", "test")
+        begun = c.begin_checkpoint(NAME, batch_id, gen, "test", partitions=2)
+        results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50))
+                   for x in begun.pre_leases]
+        answer = c.commit(NAME, batch_id, begun.attempt.number, gen, results, "test")
+        return first, answer, c.commit(NAME, batch_id, begun.attempt.number, gen, results, "test")
+
+    ran = _ran(engine)
+    first, answer, from_record = commit_after_an_aborted_attempt(1)
+    assert ran == ["first-tries mark", "mark"]
+    assert answer.checkpoint.state is CheckpointState.COMMITTED
+    assert sorted(answer.aborts.aborted) == sorted(x.transactional_id for x in first.pre_leases)
+    assert answer == from_record
+
+    monkeypatch.setattr(hot_path, "_MARK_FIRST_TRIES_COMMITTED", _first_tries_mark_without(
+        "AND NOT EXISTS (SELECT 1 FROM lease_rows WHERE checkpoint_id = :checkpoint_id)"))
+    first, answer, from_record = commit_after_an_aborted_attempt(2)
+    assert answer.aborts.aborted == [] and answer != from_record
+
+
+def test_the_deciding_call_whose_commit_another_finisher_marked_answers_it_committed(
+    db_clock_coordinator: Coordinator, kafka: RecordingControlPlane, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the deciding call's Kafka commit and its mark, a resume finishes the commit: the
+    first tries' mark finds the checkpoint COMMITTED and changes nothing, and the general mark
+    answers it as the other finisher left it."""
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    begun = c.begin_checkpoint(NAME, 1, gen, "test", partitions=2)
+    results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50)) for x in begun.pre_leases]
+    commit_on_kafka, others = kafka.commit, []
+
+    def commit_while_another_finishes(target: Any, txn: Any) -> None:
+        commit_on_kafka(target, txn)
+        if not others:  # once: the resume's own Kafka commits come here too
+            others.append(None)
+            others[0] = c.resume(NAME, 1)
+
+    monkeypatch.setattr(kafka, "commit", commit_while_another_finishes)
+    ran = _ran(engine)
+    answer = c.commit(NAME, 1, begun.attempt.number, gen, results, "test")
+    assert ran == ["mark", "first-tries mark", "mark"]  # the resume's, then the call's two
+    assert answer.checkpoint.state is CheckpointState.COMMITTED and answer.attempt.state == "COMMITTED"
+    assert answer.attempt.finished_at == others[0].attempt.finished_at
+    assert sorted(x.state for x in answer.winners) == [LeaseState.COMMITTED] * 2
+
+
 def test_only_the_committed_mark_commits_without_waiting_for_the_wal_flush(
     db_clock_coordinator: Coordinator, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -322,7 +427,7 @@ def test_only_the_committed_mark_commits_without_waiting_for_the_wal_flush(
     c = db_clock_coordinator
     gen, _ = c.start_generation(NAME, "q1", "r1", "test")
     last = {hot_path._NEW_ATTEMPT.sql: "begin", hot_path._DECIDE_FIRST_TRIES.sql: "decision",
-            hot_path._MARK_COMMITTED.sql: "mark"}
+            hot_path._MARK_COMMITTED.sql: "mark", hot_path._MARK_FIRST_TRIES_COMMITTED.sql: "mark"}
     seen: list[tuple[str, str]] = []
     latest: list[str] = []
 

@@ -207,6 +207,20 @@ class CoordinatorBase:
                 outcome["leases"] = mark.leases
             return None
 
+        def record_first_tries_committed(conn: Connection) -> CommitResult | None:
+            """record_all_committed for the commit call's own decision of first tries on the row
+            (the common path), with no read of the row; None (nothing changed) when the checkpoint
+            is not as that decision left it."""
+            assert decision.unused_first_tries is not None
+            mark = hot_path.mark_first_tries_committed(
+                conn, checkpoint_id=cp.id, attempt_id=attempt.id, done=pending, unused=decision.unused_first_tries,
+                now=given_now(self.clock, conn),
+            )
+            if mark is None or mark.marked is None:
+                return None
+            outcome["checkpoint"], outcome["committed_now"] = mark.checkpoint, True
+            return self._result_from(sink, *mark.marked, mark.leases)
+
         def record(conn: Connection) -> CommitResult | None:
             newly_lost.clear()
             outcome.clear()
@@ -261,7 +275,14 @@ class CoordinatorBase:
                 final_attempt = repo.attempt_by_id(conn, attempt.id)
             return self._result_from(sink, final_cp, final_attempt, checkpoint_leases)
 
-        result = self._tx(record if refused or failures or after_all else record_all_committed)
+        if refused or failures or after_all:
+            result = self._tx(record)
+        else:
+            result = None
+            if decision.unused_first_tries is not None and pending and finished_by is None:
+                result = self._tx(record_first_tries_committed)
+            if result is None:
+                result = self._tx(record_all_committed)
         if "leases" in outcome:  # committed by another finisher: its attempt as that left it
             with self.engine.connect() as conn:
                 result = self._result_from(sink, outcome["checkpoint"], repo.attempt_by_id(conn, attempt.id),

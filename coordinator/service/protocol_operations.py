@@ -562,7 +562,10 @@ class ProtocolOperations(Reads):
                 first_tries_on_row=attempt_leases if on_row else None, commit=on_row,
             )
             if on_row:  # the statement ended the unused first tries too, and committed
-                return cp.id, _Decision(sink, decided_cp, decided_attempt, sorted(winners, key=lambda x: x.id)), [], None
+                unused = Lease.all_with_changes((x for x in attempt_leases if x.id not in recorded),
+                                                state=LeaseState.ABORTED, resolved_at=now)
+                return cp.id, _Decision(sink, decided_cp, decided_attempt, sorted(winners, key=lambda x: x.id),
+                                        unused), [], None
             winners += [repo.as_lease(r) for r in repo.cas(
                 conn, lease_rows, [w.id for w in plan.winners if w.id not in recorded], [LeaseState.PRECOMMITTED],
                 LeaseState.COMMITTING)]

@@ -91,6 +91,9 @@ class _Decision:
     checkpoint: Checkpoint
     attempt: Attempt
     winners: list[Lease]
+    # when every winner is a first try on the attempt's row: the row's other first tries, as the
+    # decision ended them (ABORTED), for the mark that needs no read of the row
+    unused_first_tries: list[Lease] | None = None
 
 
 @dataclass(frozen=True)

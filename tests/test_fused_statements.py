@@ -6,6 +6,9 @@
   resumed begin sees its attempt and leases).
 - The committed mark after Kafka (`mark_committed`): the winners, and the checkpoint when none of
   its winners is left COMMITTING, in one statement whose guard must agree with the service's rule.
+- The common case's own statements (`begin_new_batch`, `mark_first_tries_committed`): a new
+  batch's whole begin, and the deciding call's mark of its first tries, each guarded so that it
+  writes nothing outside that case and the general path runs instead.
 
 Real Postgres, the database's clock."""
 
@@ -108,35 +111,96 @@ def _commit_batch(c: Coordinator, gen: int, batch_id: int, partitions: int) -> N
     assert c.commit(NAME, batch_id, begun.attempt.number, gen, results, "test").checkpoint.state is CheckpointState.COMMITTED
 
 
-def test_a_new_batchs_begin_sends_the_pool_query_with_its_first_statement(
+def test_a_new_batchs_begin_is_one_statement_and_anything_else_the_two_statement_path(
     db_clock_coordinator: Coordinator, engine: Engine
 ) -> None:
-    """Begin is two round trips for a new batch: its first statement with the pool's query, then
-    the new attempt with its COMMIT. The pool's query locks ids only for a checkpoint without an
-    attempt yet: sent with a retried begin's first statement, it locks none."""
+    """A new batch's begin is one round trip: one statement, sent with its BEGIN and COMMIT, that
+    leases the pool's least recently released FREE ids to partitions 0, 1, ... in that order. When
+    the pool must grow, or an attempt of the sink is still OPEN, that statement writes nothing and
+    begin takes its two-statement path: its first statement with the pool's query, which locks ids
+    only for a checkpoint without an attempt yet (sent with a retried begin's, it locks none)."""
     from bench.measure import SqlCounter
 
     c = db_clock_coordinator
     gen, _ = c.start_generation(NAME, "q1", "r1", "test")
     _commit_batch(c, gen, 1, partitions=3)  # the pool now has 3 FREE ids
     with engine.begin() as conn:  # committed: a rollback would cost the next send a check of what is prepared
-        free = {tid for (tid,) in conn.execute(select(transactional_ids.c.transactional_id))}
+        free = [tid for (tid,) in conn.execute(select(transactional_ids.c.transactional_id).order_by(
+            transactional_ids.c.released_at, transactional_ids.c.ordinal))]
     counter = SqlCounter(engine)
     try:
         begun = c.begin_checkpoint(NAME, 2, gen, "test", partitions=2)
-        assert counter.round_trips() == 2 and counter.statements == 3, vars(counter)
+        assert counter.round_trips() == 1 and counter.statements == 1, vars(counter)
     finally:
         counter.close()
-    taken = {x.transactional_id for x in begun.pre_leases}
-    assert len(taken) == 2 and taken < free  # locked in the first statement's round trip
+    assert [x.transactional_id for x in sorted(begun.pre_leases, key=lambda x: x.partition)] == free[:2]
+    assert begun.checkpoint.current_attempt == begun.attempt.number == 1
+    assert begun.checkpoint.created_at == begun.attempt.started_at
+    assert c.checkpoint_detail(NAME, 2).leases == begun.pre_leases  # as the views read them back
 
     with engine.begin() as conn:  # batch 2 again: it has an attempt, so the FREE id left is not locked
         again = hot_path.begin_head(conn, NAME, 2, None, None, ids=2)
         assert again is not None and again.locked_ids == []
     with engine.begin() as conn:  # a new batch: it is
         new = hot_path.begin_head(conn, NAME, 3, None, None, ids=2)
-        assert new is not None and [t for _, t in new.locked_ids] == sorted(free - taken)
+        assert new is not None and [t for _, t in new.locked_ids] == free[2:]
         conn.rollback()
+
+    # batch 3 needs the pool to grow, while batch 2's attempt is still OPEN (superseded by it)
+    counter = SqlCounter(engine)
+    try:
+        grown = c.begin_checkpoint(NAME, 3, gen, "test", partitions=4)
+        assert counter.statements > 3, vars(counter)
+    finally:
+        counter.close()
+    assert grown.action is BeginAction.NEW_ATTEMPT and len(grown.pre_leases) == 4
+    assert free[2] in {x.transactional_id for x in grown.pre_leases}
+    assert sorted(grown.older_aborted + grown.older_abort_pending) == []  # batch 2's are not batch 3's
+    assert c.checkpoint_detail(NAME, 2).attempts[0].state == "ABORTED"
+    with engine.connect() as conn:
+        assert conn.execute(select(checkpoints.c.batch_id).order_by(checkpoints.c.batch_id)).scalars().all() == [1, 2, 3]
+
+
+_OPEN_ATTEMPT_GUARD = ("AND NOT EXISTS (SELECT 1 FROM attempts AS o WHERE o.sink_id = s.id AND o.state = 'OPEN' "
+                       "AND o.finished_at IS NULL)")
+_GENERATION_GUARD = "AND s.generation = :generation"
+
+
+@pytest.mark.parametrize("broken", [None, _OPEN_ATTEMPT_GUARD, _GENERATION_GUARD],
+                         ids=["as-built", "without-the-open-attempt-guard", "without-the-generation-guard"])
+def test_the_one_statement_begin_leaves_a_superseded_attempt_and_a_stale_generation_to_the_rules(
+    db_clock_coordinator: Coordinator, engine: Engine, monkeypatch: pytest.MonkeyPatch, broken: str | None
+) -> None:
+    """With FREE ids for every partition, a new batch's begin still takes the two-statement path
+    when another batch's attempt is OPEN (it must be aborted first) or the driver's generation is
+    stale (refused, nothing written). Broken variants without either guard leave the superseded
+    attempt OPEN, or create a checkpoint for a fenced driver."""
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    _commit_batch(c, gen, 1, partitions=8)  # 8 FREE ids: no begin below grows the pool (aborted ids sit out a quarantine)
+    if broken is not None:
+        source = _source(hot_path._BEGIN_NEW_BATCH)
+        assert source.count(broken) == 1
+        monkeypatch.setattr(hot_path, "_BEGIN_NEW_BATCH", DriverStatement(source.replace(broken, ""), generic_plan=True))
+    left_open = c.begin_checkpoint(NAME, 2, gen, "test", partitions=2)
+    c.begin_checkpoint(NAME, 3, gen, "test", partitions=2)
+    superseded = c.checkpoint_detail(NAME, 2).attempts[0]
+    newer, _ = c.start_generation(NAME, "q1", "r2", "test")  # fences gen (and aborts batch 3's attempt)
+    try:
+        c.begin_checkpoint(NAME, 4, gen, "test", partitions=2)
+        refused = False
+    except e.Conflict as refusal:
+        refused = refusal.reason == e.STALE_GENERATION
+    with engine.connect() as conn:
+        batches = conn.execute(select(checkpoints.c.batch_id).order_by(checkpoints.c.batch_id)).scalars().all()
+    as_built = (superseded.state == "ABORTED", refused, batches)
+    assert left_open.attempt.id == superseded.id
+    if broken is None:
+        assert as_built == (True, True, [1, 2, 3])
+    elif broken == _OPEN_ATTEMPT_GUARD:
+        assert as_built[0] is False
+    else:
+        assert as_built[2] == [1, 2, 3, 4]
 
 
 def test_begin_through_the_service_new_retried_and_refused(db_clock_coordinator: Coordinator, engine: Engine) -> None:
@@ -426,7 +490,8 @@ def test_only_the_committed_mark_commits_without_waiting_for_the_wal_flush(
     pipeline just before its COMMIT, and SQLAlchemy's commit after it finds nothing left to commit."""
     c = db_clock_coordinator
     gen, _ = c.start_generation(NAME, "q1", "r1", "test")
-    last = {hot_path._NEW_ATTEMPT.sql: "begin", hot_path._DECIDE_FIRST_TRIES.sql: "decision",
+    last = {hot_path._NEW_ATTEMPT.sql: "begin", hot_path._BEGIN_NEW_BATCH.sql: "begin",
+            hot_path._DECIDE_FIRST_TRIES.sql: "decision",
             hot_path._MARK_COMMITTED.sql: "mark", hot_path._MARK_FIRST_TRIES_COMMITTED.sql: "mark"}
     seen: list[tuple[str, str]] = []
     latest: list[str] = []
@@ -458,8 +523,9 @@ def test_only_the_committed_mark_commits_without_waiting_for_the_wal_flush(
         c.commit(NAME, batch_id, begun.attempt.number, gen, results, "test")
     event.remove(engine, "before_cursor_execute", before)
     event.remove(engine, "commit", at_commit)
-    assert seen == [("begin", "on"), ("commit", "IDLE"), ("decision", "on"), ("commit", "IDLE"),
-                    ("mark", "off"), ("commit", "IDLE")] * 2, seen
+    # batch 1 grows the pool: the one-statement begin commits nothing, then the two-statement one
+    batch = [("begin", "on"), ("commit", "IDLE"), ("decision", "on"), ("commit", "IDLE"), ("mark", "off"), ("commit", "IDLE")]
+    assert seen == [("begin", "on"), ("commit", "IDLE")] + batch * 2, seen
     assert c.checkpoint_detail(NAME, 2).checkpoint.state is CheckpointState.COMMITTED
 
 

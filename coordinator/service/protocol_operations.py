@@ -265,7 +265,20 @@ class ProtocolOperations(Reads):
                 older = [x for x in head.ended_leases if x.attempt_id != current]
             return action, cp, latest, to_abort, head.unfinished_ids, older
 
-        action, cp, attempt, to_abort, unfinished, older = self._tx(step)
+        def new_batch(conn: Connection) -> hot_path.NewBatch | None:
+            assert partitions
+            return hot_path.begin_new_batch(conn, name=name, batch_id=batch_id, generation=generation,
+                                            partitions=partitions, now=given_now(self.clock, conn),
+                                            offsets_digest=offsets_digest)
+
+        # the common case, a new batch, in one round trip; anything else (nothing written) as above
+        new = self._tx(new_batch) if partitions else None
+        if new is not None:
+            fresh[:] = [(new.made, new.sink)]
+            action, cp, attempt, to_abort, unfinished, older = (
+                BeginAction.NEW_ATTEMPT, new.checkpoint, new.made.attempt, [], new.unfinished_ids, [])
+        else:
+            action, cp, attempt, to_abort, unfinished, older = self._tx(step)
         if mismatch:
             metrics.OFFSETS_MISMATCH.labels(name).inc()
             log.error("sink %s: %s", name, mismatch[0].message)

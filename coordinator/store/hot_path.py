@@ -10,7 +10,10 @@ every call and every P, and runs prepared on the connection's libpq handle (`dri
 SQLAlchemy compilation or result metadata per call, no psycopg cursor, prepared once per session).
 
 On the common path a batch's first tries stay on its attempt row (migration 0012): begin writes
-them there, the decision adds their records, the mark commits them with the attempt. Any other
+them there, the decision adds their records, the mark commits them with the attempt. A new batch's
+begin and the deciding call's mark each have a statement for that common case alone
+(`begin_new_batch`, `mark_first_tries_committed`): guarded by what makes the case common, it writes
+nothing otherwise, and the caller runs the general statements. Any other
 path turns them into lease rows first (repo.materialize_first_tries), and these statements then
 work on lease_rows as before.
 
@@ -238,6 +241,103 @@ def open_first_tries(sink_id: int, attempt: Attempt, tids: Sequence[str], deadli
     )
     return first.variants(("id", "partition", "transactional_id"),
                           ((first.id + p, p, tid) for p, tid in enumerate(tids)))  # = first_try_lease_id(.., p)
+
+
+# A new batch's whole begin in one statement, for the common case: the sink takes batches of this
+# generation, the batch has no checkpoint yet, no attempt of the sink is OPEN, and its pool has a
+# FREE id for every partition. Then it creates the checkpoint (its current attempt already the
+# first), the attempt with its first tries on its row and their ids leased to them, as begin_head,
+# the pool's query and _NEW_ATTEMPT do in two round trips; and it commits with it. Otherwise it
+# writes nothing (the pool's ids it locked are released as its transaction commits) and the
+# caller runs those instead, which make every refusal and take every other path. The guard
+# restates what the service's rules ask of that path (check_generation, check_not_halted, a live
+# sink with a query bound, decide_begin's NEW_ATTEMPT for a new checkpoint, no open attempt to
+# abort first, no pool growth); the conditions are read from the statement's snapshot, as
+# begin_head reads them for a new checkpoint. A concurrent begin of the same batch that inserts
+# its checkpoint first makes the insert do nothing. The ids are taken as the pool's query takes
+# them (FREE, out of quarantine, least recently released first, skipping locked ones) and the
+# i-th goes to partition i; the times are the statement's clock as it starts (or the caller's).
+_BEGIN_NEW_BATCH = DriverStatement(f"""
+WITH s AS MATERIALIZED (
+    SELECT *, clock_timestamp() AS db_now FROM sinks WHERE name = :name
+), ok AS MATERIALIZED (
+    SELECT s.id, s.lineage_query_id, COALESCE(CAST(:now AS timestamptz), s.db_now) AS now,
+        COALESCE(CAST(:now AS timestamptz), transaction_timestamp()) AS pool_now, s.transaction_timeout_ms
+    FROM s
+    WHERE s.retired_at IS NULL AND s.lineage_query_id IS NOT NULL AND s.halted_at IS NULL
+    AND s.generation = :generation
+    AND NOT EXISTS (SELECT 1 FROM checkpoints AS e
+                    WHERE e.sink_id = s.id AND e.query_id = s.lineage_query_id AND e.batch_id = :batch_id)
+    AND NOT EXISTS (SELECT 1 FROM attempts AS o WHERE o.sink_id = s.id AND o.state = 'OPEN' AND o.finished_at IS NULL)
+), ids AS MATERIALIZED (
+    SELECT t.transactional_id, t.released_at, t.ordinal FROM transactional_ids AS t
+    WHERE t.sink_id = (SELECT id FROM ok) AND t.state = 'FREE'
+    AND (t.reusable_at IS NULL OR t.reusable_at <= (SELECT pool_now FROM ok))
+    ORDER BY t.released_at, t.ordinal
+    LIMIT :partitions
+    FOR UPDATE SKIP LOCKED
+), picked AS MATERIALIZED (
+    SELECT array_agg(transactional_id ORDER BY released_at, ordinal) AS tids FROM ids
+), c AS (
+    INSERT INTO checkpoints (sink_id, query_id, batch_id, state, current_attempt, created_at, offsets_digest)
+    SELECT ok.id, ok.lineage_query_id, :batch_id, 'OPEN', 1, ok.now, :offsets_digest
+    FROM ok, picked WHERE cardinality(picked.tids) = :partitions
+    ON CONFLICT (sink_id, query_id, batch_id) DO NOTHING
+    RETURNING *
+), a AS (
+    INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at,
+                          first_tids, first_deadline_at)
+    SELECT c.id, c.sink_id, 1, :generation, 'OPEN', :partitions, ok.now, CAST(picked.tids AS varchar(255)[]),
+           ok.now + ok.transaction_timeout_ms * interval '1 millisecond'
+    FROM c, ok, picked
+    RETURNING *
+), t AS (
+    UPDATE transactional_ids AS t SET state = 'LEASED', lease_id = {FIRST_TRY_ID_BASE} + a.id * {FIRST_TRY_ID_STRIDE} + v.n - 1
+    FROM a, unnest(a.first_tids) WITH ORDINALITY AS v(tid, n)
+    WHERE t.transactional_id = v.tid AND t.state = 'FREE'
+    RETURNING t.id
+)
+SELECT {_cols(sinks, 's', 's_')}, {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')},
+    a.first_tids, a.first_deadline_at,
+    (SELECT array_agg(u.id ORDER BY u.id) FROM checkpoints AS u
+     WHERE u.sink_id = s.id AND u.state = 'COMMITTING') AS unfinished_ids,
+    clock_timestamp() AS answered_at,
+    coordinator_assert((SELECT count(*) FROM t) = CASE WHEN EXISTS (SELECT 1 FROM a) THEN :partitions ELSE 0 END,
+                       'an id taken by the new batch changed under its lock') AS checked
+FROM s LEFT JOIN (c CROSS JOIN a) ON true
+""", generic_plan=True)
+
+
+class NewBatch(NamedTuple):
+    sink: Sink
+    checkpoint: Checkpoint
+    made: NewAttempt
+    unfinished_ids: list[int]  # decided commits of the sink's other batches, still to finish
+
+
+def begin_new_batch(
+    conn: Connection, *, name: str, batch_id: int, generation: int, partitions: int, now: datetime | None,
+    offsets_digest: str | None,
+) -> NewBatch | None:
+    """A new batch's begin in one round trip, committed with it; None when it is not that common
+    case (then nothing was written, and the transaction is committed). `now`: the time to write,
+    or None for the database's clock."""
+    if transaction_started(conn):
+        raise ValueError("a new batch's begin is a transaction of its own")
+    if partitions < 1:
+        raise ValueError("a new batch's begin takes the first tries of at least one partition")
+    require_transition(TransactionalIdState.FREE, TransactionalIdState.LEASED)
+    rows = _BEGIN_NEW_BATCH.rows(conn, {
+        "name": name, "batch_id": batch_id, "generation": generation, "partitions": partitions, "now": now,
+        "offsets_digest": offsets_digest,
+    }, commit=True)
+    if not rows or rows[0]["a_id"] is None:
+        return None
+    row = rows[0]
+    sink, attempt = Sink.from_mapping(row, "s_"), Attempt.from_mapping(row, "a_")
+    leases = open_first_tries(sink.id, attempt, row["first_tids"], row["first_deadline_at"])
+    return NewBatch(sink, Checkpoint.from_mapping(row, "c_"), NewAttempt(attempt, leases, row["answered_at"]),
+                    list(row["unfinished_ids"] or ()))
 
 
 # --- commit: the decision -----------------------------------------------------------------------

@@ -17,6 +17,8 @@ from psycopg import pq
 from sqlalchemy import Engine, event, text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
+from coordinator.kafka.control_plane import ControlPlaneError
+from coordinator.protocol import errors as e
 from coordinator.protocol.model import Lease, PartitionResult, PrecommitRecord
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.store.driver_sql import DriverStatement, run_together
@@ -265,9 +267,11 @@ def test_array_literals_read_back_as_the_lists_they_were_made_from(engine: Engin
 
 @pytest.mark.parametrize("partitions", [2, 40])
 def test_plans_reach_rows_by_index_whatever_the_state_statistics(database_url: str, partitions: int) -> None:
-    """Every statement of a query's start and of its batches (begin and commit), planned as it
-    runs (prepared: the generic plan, forced) over a deployment's statistics: 12,000 committed
-    leases and 10,000 free ids of 25 other sinks. None scans a whole table that grows with history or with other sinks. The hot path's
+    """Every statement of a query's start and of its batches (begin and commit; and commits that
+    Kafka failed once, finished by a resume: the general committed mark), planned as it runs
+    (prepared: the generic plan, forced) over a deployment's statistics: 12,000 committed leases
+    and 10,000 free ids of 25 other sinks. None scans a whole table that grows with history or with
+    other sinks (the release of a resumed commit's ids hashed the whole pool at 40 ids). The hot path's
     writes compare a state (`state = 'LEASED'`, ...) that such statistics say almost no row has;
     before they named their rows' keys as arrays, the decision's generic plan scanned every lease,
     and the committed mark's plan for 40 ids scanned every id (and re-read its pairs once per id)."""
@@ -288,13 +292,19 @@ def test_plans_reach_rows_by_index_whatever_the_state_statistics(database_url: s
         if isinstance(parameters, dict):
             seen[statement] = dict(parameters)
 
-    c = Coordinator(engine, RecordingControlPlane(), limits=Limits(max_partitions=256))
+    control_plane = RecordingControlPlane()
+    c = Coordinator(engine, control_plane, limits=Limits(max_partitions=256))
     try:
         c.register_sink(SinkSpec(NAME, "orders-eos", "kafka:9092", ["out"]), "test")
         event.listen(engine, "before_cursor_execute", record)
         generation, _ = c.start_generation(NAME, "q", "r", "test")  # a query's start, and its restarts
         for batch_id in range(6):  # psycopg prepares a statement at its 5th execution
             _cycle(c, generation, batch_id, partitions)
+        for batch_id in range(6, 12):  # and the general committed mark: a commit finished by a resume
+            control_plane.fail_next(ControlPlaneError("broker unreachable", retriable=True, code="network_exception"))
+            with pytest.raises(e.Unavailable):
+                _cycle(c, generation, batch_id, partitions)
+            assert c.resume(NAME, batch_id).checkpoint.state == "COMMITTED"
         event.remove(engine, "before_cursor_execute", record)
         seed_history(database_url, "plans", checkpoints=3000, partitions=4)
         with psycopg.connect(plain_url(database_url), autocommit=True) as other:
@@ -335,8 +345,8 @@ def test_plans_reach_rows_by_index_whatever_the_state_statistics(database_url: s
     finally:
         c.close()
         engine.dispose()
-    hot = ("INSERT INTO attempts (", "first_records = CAST(", "SET state = 'COMMITTED', finished_at",
-           "FOR UPDATE SKIP LOCKED", "FOR SHARE OF s FOR UPDATE OF c, a")
+    hot = ("INSERT INTO attempts (", "first_records = CAST(", "SET state = 'COMMITTED', resolved_at",
+           "SET state = 'COMMITTED', finished_at", "FOR UPDATE SKIP LOCKED", "FOR SHARE OF s FOR UPDATE OF c, a")
     assert all(any(h in s for s in scans) for h in hot), sorted(scans)  # the hot path's statements were looked at
     assert {s[:120]: found for s, found in scans.items() if found} == {}
 

@@ -61,12 +61,12 @@ _LEASE_ROWS_GUARD = (r"AND NOT EXISTS \(SELECT 1 FROM lease_rows WHERE attempt_i
 _FIRST_TRIES_GUARD = r"AND NOT EXISTS \(SELECT 1 FROM r WHERE r.won AND NOT r.named\)"
 
 
-def _mark_without(guard: str) -> DriverStatement:
-    """A broken variant of the committed mark: without that guard."""
-    source = _source(hot_path._MARK_COMMITTED)
-    found = re.search(guard, source)
-    assert found is not None
-    return DriverStatement(source.replace(found.group(0), ""))
+def _without(statement: DriverStatement, guard: str) -> DriverStatement:
+    """A broken variant of a statement: without that guard (a pattern found once), planned alike."""
+    source = _source(statement)
+    found = re.findall(guard, source)
+    assert len(found) == 1, found
+    return DriverStatement(source.replace(found[0], ""), generic_plan=statement.generic_plan)
 
 
 def _statements(engine: Engine) -> list[str]:
@@ -179,9 +179,7 @@ def test_the_one_statement_begin_leaves_a_superseded_attempt_and_a_stale_generat
     gen, _ = c.start_generation(NAME, "q1", "r1", "test")
     _commit_batch(c, gen, 1, partitions=8)  # 8 FREE ids: no begin below grows the pool (aborted ids sit out a quarantine)
     if broken is not None:
-        source = _source(hot_path._BEGIN_NEW_BATCH)
-        assert source.count(broken) == 1
-        monkeypatch.setattr(hot_path, "_BEGIN_NEW_BATCH", DriverStatement(source.replace(broken, ""), generic_plan=True))
+        monkeypatch.setattr(hot_path, "_BEGIN_NEW_BATCH", _without(hot_path._BEGIN_NEW_BATCH, re.escape(broken)))
     left_open = c.begin_checkpoint(NAME, 2, gen, "test", partitions=2)
     c.begin_checkpoint(NAME, 3, gen, "test", partitions=2)
     superseded = c.checkpoint_detail(NAME, 2).attempts[0]
@@ -266,7 +264,7 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
     # variant without the guard marks the attempt with a winner left, fails, and commits nothing
     with pytest.raises(DBAPIError, match="coordinator_assert: the checkpoint or attempt"):
         with monkeypatch.context() as patched:
-            patched.setattr(hot_path, "_MARK_COMMITTED", _mark_without(_LEASE_ROWS_GUARD))
+            patched.setattr(hot_path, "_MARK_COMMITTED", _without(hot_path._MARK_COMMITTED, _LEASE_ROWS_GUARD))
             mark(done)
     assert c.checkpoint_detail(NAME, 2).checkpoint.state is CheckpointState.COMMITTING
     # the guard: naming only the winner already committed marks nothing
@@ -331,7 +329,7 @@ def test_the_committed_mark_of_first_tries_on_the_row_waits_for_every_winner(
     # statement's check of its answer fails, and nothing is committed
     with pytest.raises(DBAPIError, match="coordinator_assert: the checkpoint or attempt"):
         with monkeypatch.context() as patched:
-            patched.setattr(hot_path, "_MARK_COMMITTED", _mark_without(_FIRST_TRIES_GUARD))
+            patched.setattr(hot_path, "_MARK_COMMITTED", _without(hot_path._MARK_COMMITTED, _FIRST_TRIES_GUARD))
             mark(0)
     kept = mark(0)
     assert kept.marked is None and c.checkpoint_detail(NAME, 1).checkpoint.state is CheckpointState.COMMITTING
@@ -388,12 +386,6 @@ def _ran(engine: Engine) -> list[str]:
     return ran
 
 
-def _first_tries_mark_without(guard: str) -> DriverStatement:
-    source = _source(hot_path._MARK_FIRST_TRIES_COMMITTED)
-    assert source.count(guard) == 1
-    return DriverStatement(source.replace(guard, ""))
-
-
 @pytest.mark.parametrize("empty", [True, False], ids=["an-empty-partition", "every-partition-won"])
 def test_the_deciding_call_marks_its_first_tries_without_reading_the_row(
     db_clock_coordinator: Coordinator, engine: Engine, empty: bool
@@ -447,8 +439,9 @@ def test_the_mark_of_first_tries_leaves_a_checkpoint_with_other_leases_to_the_ge
     assert sorted(answer.aborts.aborted) == sorted(x.transactional_id for x in first.pre_leases)
     assert answer == from_record
 
-    monkeypatch.setattr(hot_path, "_MARK_FIRST_TRIES_COMMITTED", _first_tries_mark_without(
-        "AND NOT EXISTS (SELECT 1 FROM lease_rows WHERE checkpoint_id = :checkpoint_id)"))
+    monkeypatch.setattr(hot_path, "_MARK_FIRST_TRIES_COMMITTED", _without(
+        hot_path._MARK_FIRST_TRIES_COMMITTED,
+        re.escape("AND NOT EXISTS (SELECT 1 FROM lease_rows WHERE checkpoint_id = :checkpoint_id)")))
     first, answer, from_record = commit_after_an_aborted_attempt(2)
     assert answer.aborts.aborted == [] and answer != from_record
 

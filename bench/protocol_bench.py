@@ -23,6 +23,7 @@ which also run the drivers) plus Postgres', from /proc, per batch; p99_ms is the
 
     python bench/protocol_bench.py                               # both modes, P=2, 64, 200 (~3 min)
     python bench/protocol_bench.py --mode http --seconds 10 --shape 2:16
+    python bench/protocol_bench.py --mode http --shape 2:24 --rate 150   # latencies at a paced load
     python bench/protocol_bench.py --database-url postgresql://u:p@host/db
 """
 
@@ -85,6 +86,7 @@ def summary_line(r: dict[str, Any]) -> str:
         statements_per_batch=r["statements_per_batch"],
         round_trips_per_batch=r.get("round_trips_per_batch"),
         errors=sum(r["errors"].values()),
+        **({"target_batches_per_s": r["target_rate"], "late_cycles": r["late_cycles"]} if r.get("target_rate") else {}),
     )
 
 
@@ -93,6 +95,11 @@ def print_run(r: dict[str, Any]) -> None:
     goal = f"  ({r['rate'] / GOAL_BATCHES_PER_S:.3f}x the {GOAL_BATCHES_PER_S:.0f}/s goal)" if r["partitions"] == 2 else ""
     print(f"batches/s: {r['rate']:.1f}{goal}   [{r['completed']} batches in {r['seconds']:.0f} s, "
           f"{r['calls_per_batch'] or 0:.1f} calls per batch]")
+    if r.get("target_rate"):
+        # the latencies below are at the paced load only if it was reached: a late cycle is one the
+        # service kept waiting over a driver's interval
+        print(f"paced: {r['target_rate']:g} batches/s asked, {r['rate'] / r['target_rate']:.2f}x reached; "
+              f"{r['late_cycles']} of {r['completed']} batches started over one interval late")
     print(f"{'call':<10}{'n':>9}{'p50 ms':>9}{'p99 ms':>9}")
     for k in CALLS:
         lat = r["latency_ms"].get(k)
@@ -143,6 +150,16 @@ def parse_shape(s: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"shape must be PARTITIONS:DRIVERS, not {s!r}") from None
 
 
+def positive(s: str) -> float:
+    try:
+        value = float(s)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a rate must be a positive number of batches/s, not {s!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10, help="measured seconds per (mode, shape) (default 10)")
@@ -151,6 +168,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--database-url", help="use this Postgres (migrated in place) instead of an embedded one")
     ap.add_argument("--shape", type=parse_shape, action="append",
                     help="PARTITIONS:DRIVERS, repeatable (default 2:12, 64:4 and 200:1)")
+    ap.add_argument("--rate", type=positive,
+                    help="paced load: this many batches/s per run, spread evenly over its drivers, each cycle "
+                         "started on a schedule (a driver behind it catches up at once), so the calls' latencies "
+                         "are read at a stated load below saturation; the run reports the rate it reached and "
+                         "how many cycles started late (default: every driver back to back)")
     ap.add_argument("--procs", type=int, default=2, help="load processes the drivers are spread over (default 2)")
     ap.add_argument("--workers", type=int, default=2, help="uvicorn worker processes in http mode (default 2)")
     ap.add_argument("--topic-partitions", type=int, default=8,
@@ -223,15 +245,17 @@ def main(argv: list[str] | None = None) -> int:
                         jobs.append({"mode": mode, "url": url, "pool_size": args.pool_size, "partitions": partitions,
                                      "topic_partitions": args.topic_partitions,
                                      "sinks": sinks[first:first + n], "first_driver": first,
+                                     "rate": args.rate, "drivers": drivers,
                                      "base_url": server.base_url if server else None})
                         first += n
                     label = (f"{mode}, P={partitions}, {drivers} drivers x {partitions} executors"
-                             + (f", {args.workers} uvicorn workers" if server else "") + f", {len(jobs)} load procs")
+                             + (f", {args.workers} uvicorn workers" if server else "") + f", {len(jobs)} load procs"
+                             + (f", paced at {args.rate:g} batches/s" if args.rate else ""))
                     log(f"run: {label}")
                     r = run_load(label, jobs, seconds=args.seconds, warmup=args.warmup,
                                  progress_every=args.progress_every, url=url,
                                  server_pid=server.proc.pid if server else None, postgres_pid=postgres_pid)
-                    r.update(mode=mode, partitions=partitions, drivers=drivers)
+                    r.update(mode=mode, partitions=partitions, drivers=drivers, target_rate=args.rate)
                     r["record"] = check_record(url, names, r["cycles_total"] + len(r["first_cycle_ms"]))
                     results.append(r)
                     log(f"  -> {r['rate']:.1f} batches/s, errors {sum(r['errors'].values())}")

@@ -36,6 +36,7 @@ class Stats:
         self.cycles = 0
         self.calls = 0  # protocol calls of the cycles counted in `cycles`
         self.cycles_total = 0
+        self.late = 0  # paced: window cycles that started over one interval behind their schedule
         self.first_cycles: list[float] = []
         self.errors: Counter[str] = Counter()
         self.error_examples: list[str] = []
@@ -55,10 +56,14 @@ class Stats:
 
 def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPoolExecutor, stats: Stats,
                 progress: Any, driver_no: int, primed: threading.Barrier, started: threading.Event,
-                topic_partitions: int) -> None:
+                topic_partitions: int, pace: tuple[float, float] | None) -> None:
     """One driver: a first, unmeasured cycle (it grows the sink's transactional id pool from
-    empty, which is not the steady state), then cycles back to back until the window ends. Each
-    task's record names `topic_partitions` first offsets."""
+    empty, which is not the steady state), then cycles until the window ends: back to back, or
+    with `pace` (interval, offset in seconds) each starting on a schedule of one per interval from
+    the start plus offset. A driver behind its schedule starts its next cycle at once, until it has
+    caught up: the load asked of the service does not shrink when the service slows down (the
+    calls' latencies would then hide the queueing). Each task's record names `topic_partitions`
+    first offsets."""
     clock = time.monotonic
     batch_id = 0
     task_attempt_id = driver_no * 10**12
@@ -120,7 +125,16 @@ def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPo
     batch_id += 1
     primed.wait()
     started.wait()
+    scheduled = clock() + pace[1] if pace else 0.0
     while clock() < stats.t_end:
+        if pace:
+            ahead = scheduled - clock()
+            if ahead > 0:
+                time.sleep(ahead)
+            elif -ahead > pace[0] and stats.t_start <= clock() < stats.t_end:
+                with stats.lock:
+                    stats.late += 1
+            scheduled += pace[0]
         try:
             _, c3 = cycle()
             with stats.lock:  # drivers of this process share stats
@@ -160,10 +174,19 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
         started = threading.Event()
         primed = threading.Barrier(len(sinks) + 1, timeout=600)
         pools = [ThreadPoolExecutor(max_workers=job["partitions"], thread_name_prefix=f"exec{i}") for i in range(len(sinks))]
+        rate, drivers = job.get("rate"), job.get("drivers", len(sinks))
+
+        def pace(driver_no: int) -> tuple[float, float] | None:
+            """Each driver's share of the run's rate, the drivers' schedules spread over one interval."""
+            if not rate:
+                return None
+            interval = drivers / rate
+            return interval, interval * driver_no / drivers
+
         threads = [
             threading.Thread(target=_run_driver, args=(
                 s, gen, job["partitions"], pool, stats, progress, job["first_driver"] + i, primed, started,
-                job["topic_partitions"]))
+                job["topic_partitions"], pace(job["first_driver"] + i)))
             for i, (s, gen, pool) in enumerate(zip(sinks, generations, pools))
         ]
         for t in threads:
@@ -192,6 +215,7 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
             "cycles": stats.cycles,
             "calls": stats.calls,
             "cycles_total": stats.cycles_total,
+            "late": stats.late,
             "first_cycles": stats.first_cycles,
             "errors": dict(stats.errors),
             "error_examples": stats.error_examples,
@@ -280,6 +304,7 @@ def run_load(label: str, jobs: list[dict[str, Any]], *, seconds: float, warmup: 
         "errors": dict(errors),
         "error_examples": examples[:5],
         "cycles_total": total,
+        "late_cycles": sum(o["late"] for o in outs),
         "first_cycle_ms": sorted(x for o in outs for x in o["first_cycles"]),
         "statements_per_batch": sum(o["statements"] for o in counted) / total if counted and total else None,
         "checkouts_per_batch": sum(o["checkouts"] for o in counted) / total if counted and total else None,

@@ -46,6 +46,21 @@ def test_protocol_bench_runs_both_modes_and_prints_its_figure_lines(database_url
     assert "record check: ok" in out.stdout and "MISMATCH" not in out.stdout
 
 
+def test_protocol_bench_paces_its_drivers_to_the_rate_asked(database_url: str) -> None:
+    # unpaced, one in-process driver runs hundreds of two-partition batches a second here; paced at
+    # 10/s over 2 drivers, a 2-second window holds ~20 (each driver's in-flight batch at the edges
+    # may add one)
+    cmd = [sys.executable, str(BENCH / "protocol_bench.py"), "--database-url", database_url, "--mode", "inprocess",
+           "--seconds", "2", "--warmup", "0.5", "--shape", "2:2", "--procs", "1", "--rate", "10",
+           "--floor-seconds", "0", "--history", "0"]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    figures = measure.parse_figure_line(out.stdout.strip().splitlines()[-1])[1]
+    assert figures["target_batches_per_s"] == "10.0", figures
+    assert 1 <= float(figures["batches_per_s"]) * 2 <= 22, figures
+    assert "paced: 10 batches/s asked" in out.stdout
+
+
 def test_statement_times_names_each_statement_of_a_batch_with_its_times() -> None:
     """bench/statement_times.py on its own Postgres: every statement of a batch by its Python name
     (none left as bare SQL), each of the common path's once per batch, with times."""

@@ -6,9 +6,10 @@
   resumed begin sees its attempt and leases).
 - The committed mark after Kafka (`mark_committed`): the winners, and the checkpoint when none of
   its winners is left COMMITTING, in one statement whose guard must agree with the service's rule.
-- The common case's own statements (`begin_new_batch`, `mark_first_tries_committed`): a new
-  batch's whole begin, and the deciding call's mark of its first tries, each guarded so that it
-  writes nothing outside that case and the general path runs instead.
+- The common case's own statements (`begin_new_batch`, `decide_first_tries`,
+  `mark_first_tries_committed`): a new batch's whole begin, a commit's locks and decision, and the
+  deciding call's mark of its first tries, each guarded so that it writes nothing outside that
+  case and the general path runs instead.
 
 Real Postgres, the database's clock."""
 
@@ -201,6 +202,101 @@ def test_the_one_statement_begin_leaves_a_superseded_attempt_and_a_stale_generat
         assert as_built[2] == [1, 2, 3, 4]
 
 
+_DEADLINE_GUARD = r"AND \(hn.first_deadline_at >= .*?\n\s+OR cardinality\(CAST\(:unused AS int\[\]\)\) = :first_tries\)"
+_ATTEMPT_ID_GUARD = r"AND hn.a_id = :attempt_id "
+_FIRST_TRIES_COUNT_GUARD = r"AND cardinality\(hn.first_tids\) = :first_tries"
+_SINK_GENERATION_GUARD = r"AND hn.s_generation = :generation"
+
+
+@pytest.mark.parametrize("broken", [None, _DEADLINE_GUARD, _ATTEMPT_ID_GUARD, _FIRST_TRIES_COUNT_GUARD,
+                                    _SINK_GENERATION_GUARD],
+                         ids=["as-built", "without-the-deadline-guard", "without-the-attempt-guard",
+                              "without-the-first-tries-count-guard", "without-the-sink-generation-guard"])
+def test_the_one_statement_decision_leaves_every_other_commit_to_the_rules(
+    db_clock_coordinator: Coordinator, engine: Engine, monkeypatch: pytest.MonkeyPatch, broken: str | None
+) -> None:
+    """A commit of first tries by partition is decided by one statement with its locks, when its
+    guard holds; otherwise it writes nothing and the general path judges the commit: a deadline
+    inside the margin (refused), lease ids of another batch's attempt (refused), fewer partitions
+    than first tries (committed, the missing partition's try aborted), a fenced generation
+    (refused). A broken variant without one of those guards decides such a commit; the service's
+    check of the rules against the locked head then raises, and the scenario shows it."""
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    if broken is not None:
+        monkeypatch.setattr(hot_path, "_DECIDE_FIRST_TRIES", _without(hot_path._DECIDE_FIRST_TRIES, broken))
+
+    def record(x: Any) -> PrecommitRecord:
+        return PrecommitRecord(100 + x.partition, 0, 1, 10)
+
+    def outcome(batch_id: int, number: int, results: list[PartitionResult]) -> str:
+        try:
+            return str(c.commit(NAME, batch_id, number, gen, results, "test").checkpoint.state)
+        except e.Conflict as refusal:
+            return f"refused: {refusal.reason}"
+        except AssertionError as tripped:
+            assert "rules" in str(tripped), tripped
+            return "decided against the rules"
+
+    outcomes = {}
+    # fewer partitions than first tries: partition 2's try is a loser, aborted; the rest commit
+    begun = c.begin_checkpoint(NAME, 1, gen, "test", partitions=3)
+    outcomes["fewer partitions"] = outcome(1, begun.attempt.number, [
+        PartitionResult(x.partition, x.id, record(x)) for x in begun.pre_leases[:2]])
+    # lease ids of batch 2's attempt (superseded by batch 3's begin) named for batch 3
+    stale = c.begin_checkpoint(NAME, 2, gen, "test", partitions=2)
+    begun = c.begin_checkpoint(NAME, 3, gen, "test", partitions=2)
+    outcomes["another attempt's leases"] = outcome(3, begun.attempt.number, [
+        PartitionResult(x.partition, x.id, record(x)) for x in stale.pre_leases])
+    # the first tries' deadline inside the sink's margin
+    begun = c.begin_checkpoint(NAME, 4, gen, "test", partitions=2)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE sinks SET commit_margin_ms = transaction_timeout_ms + 60000")
+    outcomes["deadline"] = outcome(4, begun.attempt.number, [
+        PartitionResult(x.partition, x.id, record(x)) for x in begun.pre_leases])
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE sinks SET commit_margin_ms = 5000")
+    # the sink's generation moved on (as a newer driver's start does, before it aborts this attempt)
+    begun = c.begin_checkpoint(NAME, 5, gen, "test", partitions=2)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE sinks SET generation = generation + 1")
+    outcomes["fenced"] = outcome(5, begun.attempt.number, [
+        PartitionResult(x.partition, x.id, record(x)) for x in begun.pre_leases])
+
+    as_built = {"fewer partitions": "COMMITTED", "another attempt's leases": f"refused: {e.STALE_LEASE}",
+                "deadline": f"refused: {e.DEADLINE_TOO_CLOSE}", "fenced": f"refused: {e.STALE_GENERATION}"}
+    caught_by = {_DEADLINE_GUARD: "deadline", _ATTEMPT_ID_GUARD: "another attempt's leases",
+                 _FIRST_TRIES_COUNT_GUARD: "fewer partitions", _SINK_GENERATION_GUARD: "fenced"}
+    if broken is None:
+        assert outcomes == as_built
+        assert c.checkpoint_detail(NAME, 1).attempts[0].state == "COMMITTED"
+    else:
+        assert outcomes[caught_by[broken]] == "decided against the rules", outcomes
+
+
+@pytest.mark.parametrize("order", ["by partition", "reversed"])
+def test_the_decision_of_first_tries_records_its_winners_by_partition_in_its_event(
+    db_clock_coordinator: Coordinator, engine: Engine, order: str
+) -> None:
+    """Its event's detail is `decision_event_detail`'s, as for lease rows: the winners by
+    partition, the empty partition left out; by partition the decision is the commit's one
+    statement, reversed the general path's last."""
+    c = db_clock_coordinator
+    gen, _ = c.start_generation(NAME, "q1", "r1", "test")
+    begun = c.begin_checkpoint(NAME, 1, gen, "test", partitions=3)
+    results = [PartitionResult(x.partition, None) if x.partition == 1 else
+               PartitionResult(x.partition, x.id, PrecommitRecord(100 + x.partition, 0, 1, 10)) for x in begun.pre_leases]
+    if order == "reversed":
+        results.reverse()
+    seen = _statements(engine)
+    c.commit(NAME, 1, begun.attempt.number, gen, results, "test")
+    assert (len(seen) == 3) is (order == "by partition"), seen  # the decision, then the mark's two
+    (decided,) = [ev for ev in c.list_events(NAME, batch_id=1) if ev["kind"] == "commit_decided"]
+    won = [x for x in begun.pre_leases if x.partition != 1]
+    assert decided["detail"] == hot_path.decision_event_detail(1, begun.attempt.number, [(x.partition, x.id) for x in won])
+    assert decided["detail"]["winners"] == {"partitions": [0, 2], "lease_ids": [won[0].id, won[1].id]}
+
+
 def test_begin_through_the_service_new_retried_and_refused(db_clock_coordinator: Coordinator, engine: Engine) -> None:
     c = db_clock_coordinator
     gen, _ = c.start_generation(NAME, "q1", "r1", "test")
@@ -239,9 +335,9 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
     number, results = winners_of(1)
     seen = _statements(engine)
     assert c.commit(NAME, 1, number, gen, results, "test").checkpoint.state is CheckpointState.COMMITTED
-    # the decision's transaction (head, with the first tries on the attempt's row and the clock after
-    # its locks; decision), then the mark's (lock, mark: sent together)
-    assert [x.split()[0] for x in seen][-2:] == ["SELECT", "WITH"] and len(seen) == 4, seen
+    # the decision's transaction (one statement: the locks, the clock after them, the decision), then
+    # the mark's (lock, mark: sent together)
+    assert [x.split()[0] for x in seen] == ["WITH", "SELECT", "WITH"], seen
 
     # Kafka commits one winner and not yet the other: the checkpoint stays COMMITTING
     number, results = winners_of(2)

@@ -202,8 +202,7 @@ def test_happy_path_every_transition(coordinator: Coordinator, kafka: RecordingC
         assert kind in kinds
     assert [ev["kind"] for ev in c.list_events(NAME, batch_id=0, limit=1000)] == ["commit_decided"]
     (decided,) = [ev for ev in c.list_events(NAME, limit=1000) if ev["kind"] == "commit_decided"]
-    assert decided["actor"] == ACTOR and decided["detail"]["winners"] == [[0, p0.id, p0.transactional_id],
-                                                                         [1, p1.id, p1.transactional_id]]
+    assert decided["actor"] == ACTOR and decided["detail"]["winners"] == {"partitions": [0, 1], "lease_ids": [p0.id, p1.id]}
     assert_invariants(c, settled=True)
 
     # Spark replays batch 0 (crash after the commit, before its commit log): skip

@@ -27,7 +27,7 @@ from coordinator.protocol.model import FIRST_TRY_TASK_ATTEMPT, PartitionResult, 
 from coordinator.protocol.rules import BeginAction
 from coordinator.protocol.states import CheckpointState, LeaseState, TransactionalIdState
 from coordinator.service import Coordinator, Limits, SinkSpec
-from coordinator.store import hot_path
+from coordinator.store import driver_sql, hot_path
 from coordinator.store.tables import transactional_ids
 from fixtures.servers import ServiceProcess
 from sim.kafka_model import KafkaModel, ModelControlPlane
@@ -140,24 +140,32 @@ def test_a_refused_commit_looks_in_the_log_at_the_first_offsets_its_record_carri
 
 
 
+@pytest.mark.parametrize("order", ["by partition", "reversed"])
 def test_commit_stores_the_records_with_the_decision_in_one_transaction(
-    coordinator: Coordinator, kafka: RecordingControlPlane, monkeypatch: pytest.MonkeyPatch
+    coordinator: Coordinator, kafka: RecordingControlPlane, monkeypatch: pytest.MonkeyPatch, order: str
 ):
+    """By partition, the commit's transaction is the decision's statement alone (with its locks);
+    in another order the general path judges the request first, then ends with that statement."""
     c = coordinator
     gen = start(c)
     first = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=2).pre_leases
     results = [PartitionResult(x.partition, x.id, record(x.id)) for x in first]
-    original = hot_path.decide
+    if order == "reversed":
+        results.reverse()
+    original = driver_sql.run_together
 
     def commit_dying_after_the_decision(committed: bool) -> Any:
         """The coordinator dies once the decision statement ran (records, states, event), with or
         without the COMMIT it carries; what the record then holds."""
-        def decide_then_die(conn: Any, **kw: Any) -> Any:
-            original(conn, **{**kw, "commit": kw["commit"] and committed})
+        def decide_then_die(conn: Any, statements: Any, *, commit: bool = False) -> Any:
+            if statements[0][0] is not hot_path._DECIDE_FIRST_TRIES:
+                return original(conn, statements, commit=commit)
+            assert commit
+            original(conn, statements, commit=committed)
             raise RuntimeError("the coordinator died")
 
         with monkeypatch.context() as patched, pytest.raises(RuntimeError):
-            patched.setattr(hot_path, "decide", decide_then_die)
+            patched.setattr(driver_sql, "run_together", decide_then_die)
             c.commit(NAME, 0, 1, gen, results, ACTOR)
         return c.snapshot()
 

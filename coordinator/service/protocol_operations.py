@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from ..kafka.control_plane import KafkaTarget
 from ..protocol import errors as e
 from ..protocol import rules
-from ..protocol.model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PartitionResult, Sink
+from ..protocol.model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PartitionResult, PrecommitRecord, Sink
 from ..protocol.rules import BeginAction, PrecommitRequest
 from ..protocol.states import LOST_LEASE_STATES, UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
 from .clock import given_now, now_from
@@ -31,6 +31,10 @@ from . import metrics
 from .base import log
 from .reads import Reads
 from .results import AbortOutcome, BeginResult, CommitResult, SinkSpec, _Decision
+
+
+def _decision_of(decided: hot_path.FirstTriesDecided) -> _Decision:
+    return _Decision(decided.head.sink, decided.checkpoint, decided.attempt, decided.winners, decided.unused)
 
 
 class ProtocolOperations(Reads):
@@ -562,23 +566,26 @@ class ProtocolOperations(Reads):
             # the common path keeps the first tries on the attempt's row: every winner one of them, with
             # its record; otherwise they become lease rows before anything changes them
             recorded = {lease.id for lease, _ in plan.records}
-            on_row = locked.on_row and not plan.losers and len(recorded) == len(plan.winners)
-            if locked.on_row and not on_row:
+            if locked.on_row and not plan.losers and len(recorded) == len(plan.winners):
+                records: list[PrecommitRecord | None] = [None] * len(attempt_leases)
+                for lease, r in plan.records:
+                    records[lease.partition] = r
+                request = hot_path.FirstTriesCommit(attempt.id, records, [x.partition for x in plan.unused], len(results))
+                on_row = hot_path.decide_first_tries(conn, request, name=name, batch_id=batch_id, number=attempt_number,
+                                                     generation=generation, job_ms=job_ms, now=now, actor=actor)
+                if on_row is None:
+                    raise AssertionError("the rules decided a commit that the first tries' decision refused")
+                return cp.id, _decision_of(on_row), [], None
+            if locked.on_row:
                 repo.materialize_first_tries(conn, [attempt.id])
             # the decision, the records that came with the commit and the audit event in one statement
             decided_cp, decided_attempt, winners = hot_path.decide(
                 conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=attempt.id, number=attempt_number,
                 partitions=len(results), job_ms=job_ms, records=plan.records,
                 now=now, actor=actor,
-                event_detail=dict(batch_id=batch_id, attempt=attempt_number,
-                                  winners=[[w.partition, w.id, w.transactional_id] for w in plan.winners]),
-                first_tries_on_row=attempt_leases if on_row else None, commit=on_row,
+                event_detail=hot_path.decision_event_detail(batch_id, attempt_number,
+                                                            ((w.partition, w.id) for w in plan.winners)),
             )
-            if on_row:  # the statement ended the unused first tries too, and committed
-                unused = Lease.all_with_changes((x for x in attempt_leases if x.id not in recorded),
-                                                state=LeaseState.ABORTED, resolved_at=now)
-                return cp.id, _Decision(sink, decided_cp, decided_attempt, sorted(winners, key=lambda x: x.id),
-                                        unused), [], None
             winners += [repo.as_lease(r) for r in repo.cas(
                 conn, lease_rows, [w.id for w in plan.winners if w.id not in recorded], [LeaseState.PRECOMMITTED],
                 LeaseState.COMMITTING)]
@@ -593,7 +600,17 @@ class ProtocolOperations(Reads):
             decision = _Decision(sink, decided_cp, decided_attempt, winners)
             return cp.id, decision, [repo.as_lease(r) for r in losers], None
 
-        checkpoint_id, decision, to_abort, refusal = self._tx(step)
+        # the common case, first tries on the attempt's row, decided with its locks in one round trip;
+        # anything else (nothing written) as above
+        common = hot_path.first_tries_commit(results, self.limits.max_partitions)
+        at_once = None if common is None else self._tx(lambda conn: hot_path.decide_first_tries(
+            conn, common, name=name, batch_id=batch_id, number=attempt_number, generation=generation,
+            job_ms=job_ms, now=given_now(self.clock, conn), actor=actor))
+        if at_once is not None:
+            self._check_rules_agree(at_once, generation, results)
+            checkpoint_id, decision, to_abort, refusal = at_once.checkpoint.id, _decision_of(at_once), [], None
+        else:
+            checkpoint_id, decision, to_abort, refusal = self._tx(step)
         if refusal is not None:
             metrics.checkpoint_outcome(name, "deadline_refused")
             self._abort_on_kafka(name, to_abort)
@@ -610,6 +627,24 @@ class ProtocolOperations(Reads):
         if result is None or to_abort:  # the answer must show the states the aborts left
             result = self._commit_result(name, batch_id)
         return result
+
+    def _check_rules_agree(self, decided: hot_path.FirstTriesDecided, generation: int,
+                           results: Sequence[PartitionResult]) -> None:
+        """The rules on the head that the first tries' decision locked: they must decide the same
+        (its guard restates them; a disagreement is a bug in that guard, raised, never answered as
+        a decision; the commit stays decided, for a retry or the recovery loop to finish)."""
+        head = decided.head
+        try:
+            rules.check_generation(head.sink.generation, generation)
+            rules.check_attempt_writable(head.attempt, head.checkpoint.current_attempt, generation)
+            plan = rules.plan_commit(head.first_tries or (), results, self.limits.max_partitions)
+            rules.check_commit_deadlines(plan.winners, head.db_now, head.sink.commit_margin_ms)
+        except e.ProtocolError as refusal:
+            raise AssertionError(f"the first tries' decision let through a commit the rules refuse: {refusal}") \
+                from refusal
+        if plan.losers or [w.id for w in plan.winners] != [w.id for w in decided.winners] or \
+                [x.id for x in plan.unused] != [x.id for x in decided.unused]:
+            raise AssertionError("the first tries' decision chose other winners than the rules")
 
     def resume(self, name: str, batch_id: int) -> CommitResult:
         """Finish a decided commit (after a crash); answers from the record if it is finished."""

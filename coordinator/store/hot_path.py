@@ -11,11 +11,11 @@ SQLAlchemy compilation or result metadata per call, no psycopg cursor, prepared 
 
 On the common path a batch's first tries stay on its attempt row (migration 0012): begin writes
 them there, the decision adds their records, the mark commits them with the attempt. A new batch's
-begin and the deciding call's mark each have a statement for that common case alone
-(`begin_new_batch`, `mark_first_tries_committed`): guarded by what makes the case common, it writes
-nothing otherwise, and the caller runs the general statements. Any other
-path turns them into lease rows first (repo.materialize_first_tries), and these statements then
-work on lease_rows as before.
+begin, the commit's decision with its locks and the deciding call's mark each have a statement
+for that common case (`begin_new_batch`, `decide_first_tries`, `mark_first_tries_committed`):
+guarded by what makes the case common, it writes nothing otherwise, and the caller runs the
+general statements. Any other path turns them into lease rows first
+(repo.materialize_first_tries), and these statements then work on lease_rows as before.
 
 Long because each statement carries the reasons for its shape (locks, snapshots, plans) beside
 the function that runs it.
@@ -30,7 +30,15 @@ from typing import Any, NamedTuple
 import pydantic_core
 from sqlalchemy import Column, Connection, Table
 
-from ..protocol.model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease, PrecommitRecord, Sink
+from ..protocol.model import (
+    FIRST_TRY_TASK_ATTEMPT,
+    Attempt,
+    Checkpoint,
+    Lease,
+    PartitionResult,
+    PrecommitRecord,
+    Sink,
+)
 from ..protocol.states import (
     AttemptState,
     CheckpointState,
@@ -38,9 +46,25 @@ from ..protocol.states import (
     TransactionalIdState,
     require_transition,
 )
-from .driver_sql import DriverStatement, int_array, run_together, text_array, transaction_started
+from .driver_sql import (
+    DriverStatement,
+    int_array,
+    run_together,
+    text_array,
+    transaction_started,
+)
 from .repo import FREE_IDS
-from .tables import FIRST_TRY_ID_BASE, FIRST_TRY_ID_STRIDE, attempt_columns, checkpoints, first_try_lease_id, lease_rows, leases, sinks
+from .tables import (
+    FIRST_TRY_ID_BASE,
+    FIRST_TRY_ID_STRIDE,
+    attempt_columns,
+    attempt_of_first_try_id,
+    checkpoints,
+    first_try_lease_id,
+    lease_rows,
+    leases,
+    sinks,
+)
 
 
 def _cols(columns: Table | Iterable[Column[Any]], alias: str, prefix: str) -> str:
@@ -455,88 +479,33 @@ FROM c CROSS JOIN a FULL JOIN w ON false ORDER BY w.id NULLS FIRST
 """)
 
 
-# The decision of an attempt whose first tries are on its row and all won with their records
-# (the common path): checkpoint and attempt OPEN -> COMMITTING, the records on the attempt row (a
-# json array by partition, null for an empty one: [producer_id, producer_epoch, records, bytes,
-# write_ms, first_offsets]; json keeps the text as sent, migration 0015), so its first tries with a
-# record are COMMITTING and the others (empty partitions) ABORTED, whose ids are free again at once
-# (no producer ever used them); and the commit_decided event.
-_DECIDE_FIRST_TRIES = DriverStatement(f"""
-WITH c AS (
-    UPDATE checkpoints SET state = 'COMMITTING', decided_at = :now, committed_attempt = :number
-    WHERE id = :checkpoint_id AND state = 'OPEN' RETURNING *
-), a AS (
-    UPDATE attempts SET state = 'COMMITTING', decided_at = :now, partitions = :partitions, job_ms = :job_ms,
-        first_records = CAST(:records AS json)
-    WHERE id = :attempt_id AND state = 'OPEN' AND first_tids IS NOT NULL RETURNING *
-), t AS (
-    UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = :now, reusable_at = NULL
-    WHERE t.transactional_id = ANY(CAST(:unused_tids AS text[])) AND t.lease_id = ANY(CAST(:unused AS bigint[]))
-    AND t.state = 'LEASED' AND EXISTS (SELECT 1 FROM a)
-), ev AS (
-    INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
-    SELECT :sink_id, :checkpoint_id, :now, 'commit_decided', :actor, CAST(:detail AS jsonb) FROM c, a
-)
-SELECT {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')}
-FROM (SELECT coordinator_assert((SELECT count(*) FROM c) = 1 AND (SELECT count(*) FROM a) = 1,
-                                'the checkpoint or attempt changed state under the locks of the decision')) AS checked
-LEFT JOIN (c CROSS JOIN a) ON true
-""", generic_plan=True)
-
-
 def decide(
     conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int, number: int, partitions: int,
     job_ms: int | None, records: Sequence[tuple[Lease, PrecommitRecord]], now: datetime, actor: str,
-    event_detail: dict[str, Any], first_tries_on_row: Sequence[Lease] | None = None, commit: bool = False,
+    event_detail: dict[str, Any],
 ) -> tuple[Checkpoint, Attempt, list[Lease]]:
     """Returns the decided checkpoint and attempt and the record winners now COMMITTING (by id).
     Each winner's lease must be as the caller read it under its lock (LEASED): the statement
-    changes only the fields the record sets, so the winners are built from those leases.
-    `first_tries_on_row`: the attempt's leases when its first tries are on its row and every
-    winner is one of them with its record (the others then end unused, ABORTED). `commit` (only
-    with them): the transaction commits with the decision's statement, its last."""
-    if commit and first_tries_on_row is None:
-        raise ValueError("only the decision of first tries on the attempt's row checks itself in SQL")
+    changes only the fields the record sets, so the winners are built from those leases. For the
+    leases of lease_rows: first tries on the attempt's row are decided by decide_first_tries."""
     require_transition(CheckpointState.OPEN, CheckpointState.COMMITTING)
     require_transition(AttemptState.OPEN, AttemptState.COMMITTING)
     if records:
         require_transition(LeaseState.LEASED, LeaseState.COMMITTING)
-    params = {
+    rows = _DECIDE.rows(conn, {
         "checkpoint_id": checkpoint_id, "attempt_id": attempt_id, "sink_id": sink_id, "number": number,
         "partitions": partitions, "job_ms": job_ms, "now": now, "actor": actor, "detail": _json(event_detail),
-    }
-    if first_tries_on_row is not None:
-        won = {lease.id for lease, _ in records}
-        unused = [x for x in first_tries_on_row if x.id not in won]
-        if unused:
-            require_transition(LeaseState.LEASED, LeaseState.ABORTED)
-            require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
-        by_partition: list[list[Any] | None] = [None] * len(first_tries_on_row)
-        for lease, r in records:
-            by_partition[lease.partition] = [r.producer_id, r.producer_epoch, r.records, r.bytes, r.write_ms,
-                                             r.first_offsets]
-        # each record's first offsets as the views read them back: json keeps the text as sent, and
-        # the document's text holds each value's text as encoded alone (compact, one encoder)
-        stored = {lease.id: None if r.first_offsets is None else _json(r.first_offsets) for lease, r in records}
-        rows = _DECIDE_FIRST_TRIES.rows(conn, {
-            **params,
-            "records": _json(by_partition),
-            "unused": int_array(x.id for x in unused), "unused_tids": text_array(x.transactional_id for x in unused),
-        }, commit=commit)
-    else:
-        rows = _DECIDE.rows(conn, {
-            **params,
-            "ids": int_array([lease.id for lease, _ in records]),
-            # one JSON document (encoded in C): a text[] of P JSON values costs psycopg a regex escape per quote
-            "records": _json({
-                lease.id: {"producer_id": r.producer_id, "producer_epoch": r.producer_epoch, "records": r.records,
-                           "bytes": r.bytes, "write_ms": r.write_ms, "first_offsets": r.first_offsets}
-                for lease, r in records
-            }),
-        })
-        if not rows or rows[0]["c_id"] is None or rows[0]["a_id"] is None:
-            raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
-        stored = {r["w_id"]: r["w_first_offsets"] for r in rows if r["w_id"] is not None}
+        "ids": int_array([lease.id for lease, _ in records]),
+        # one JSON document (encoded in C): a text[] of P JSON values costs psycopg a regex escape per quote
+        "records": _json({
+            lease.id: {"producer_id": r.producer_id, "producer_epoch": r.producer_epoch, "records": r.records,
+                       "bytes": r.bytes, "write_ms": r.write_ms, "first_offsets": r.first_offsets}
+            for lease, r in records
+        }),
+    })
+    if not rows or rows[0]["c_id"] is None or rows[0]["a_id"] is None:
+        raise AssertionError("the checkpoint or attempt changed state under the decision's locks")
+    stored = {r["w_id"]: r["w_first_offsets"] for r in rows if r["w_id"] is not None}
     winners = [
         lease.with_changes(
             state=LeaseState.COMMITTING, producer_id=r.producer_id, producer_epoch=r.producer_epoch, records=r.records,
@@ -545,6 +514,184 @@ def decide(
         for lease, r in records if lease.id in stored
     ]
     return Checkpoint.from_mapping(rows[0], "c_"), Attempt.from_mapping(rows[0], "a_"), winners
+
+
+def decision_event_detail(batch_id: int, attempt: int, winners: Iterable[tuple[int, int]]) -> dict[str, Any]:
+    """The commit_decided event's detail: the winners (partition, lease id) by partition, as parallel
+    lists. Their transactional ids are on their lease rows or attempt row, which are kept."""
+    by_partition = sorted(winners)
+    return {"batch_id": batch_id, "attempt": attempt, "winners": {
+        "partitions": [p for p, _ in by_partition], "lease_ids": [lease_id for _, lease_id in by_partition]}}
+
+
+# --- commit: the decision of first tries on the attempt's row, with its locks ---------------------
+
+
+class FirstTriesCommit(NamedTuple):
+    """A commit of first tries on the attempt's row: partition i's result at index i, every lease
+    it names the first try of partition i of the attempt (by its id's encoding), each with its
+    record; the other first tries (empty partitions) end unused."""
+
+    attempt_id: int
+    records: list[PrecommitRecord | None]  # by first try's partition; None for an empty partition
+    unused: list[int]  # the empty partitions' first tries, which end unused
+    partitions: int  # the batch's partition count, as the driver reported it
+
+
+def first_tries_commit(results: Sequence[PartitionResult], max_partitions: int) -> FirstTriesCommit | None:
+    """The request as `decide_first_tries` takes it, or None when it is not of that shape or names
+    no lease (the caller then takes the general path, which judges it whatever it is)."""
+    if not results or len(results) > max_partitions:
+        return None
+    attempt_id = None
+    records: list[PrecommitRecord | None] = []
+    unused = []
+    for i, r in enumerate(results):
+        if r.partition != i:
+            return None
+        if r.lease_id is None:
+            if r.precommit is not None:
+                return None
+            records.append(None)
+            unused.append(i)
+            continue
+        if r.precommit is None:
+            return None
+        if attempt_id is None:
+            attempt_id = attempt_of_first_try_id(r.lease_id)
+            if attempt_id is None:
+                return None
+        if r.lease_id != first_try_lease_id(attempt_id, i):
+            return None
+        records.append(r.precommit)
+    return None if attempt_id is None else FirstTriesCommit(attempt_id, records, unused, len(results))
+
+
+# The decision of first tries on the attempt's row, with the locks of _COMMIT_HEAD and the clock
+# read after them (or the caller's time), and its COMMIT: the checkpoint and attempt OPEN ->
+# COMMITTING, the records on the attempt row (a json array by partition, null for an empty one:
+# [producer_id, producer_epoch, records, bytes, write_ms, first_offsets]; json keeps the text as
+# sent, migration 0015), so its first tries with a record are COMMITTING and the others ABORTED,
+# whose ids are free again at once (no producer ever used them); and the commit_decided event.
+#
+# It decides only when its guard holds, and otherwise writes nothing and answers the head as locked
+# (or no row). The guard restates what the service's rules ask of this decision (check_generation,
+# check_attempt_writable, plan_commit of first tries on the row that each won with its record or
+# were left empty, check_commit_deadlines against the first tries' common deadline): a live sink of
+# this generation, the checkpoint OPEN with this attempt current, the attempt the one the lease ids
+# name, OPEN, of this generation, with as many first tries on its row as there are partitions, and
+# their deadline at least the sink's margin away if any won. It reads them from the rows as locked:
+# a row locked after a wait is its latest version, and first tries still on the attempt's row are
+# its only leases (commit_head's reasoning). The commit call's common case sends it first, with
+# BEGIN and COMMIT, as its whole transaction (one round trip, where head and decision took two)
+# and runs the general path after it if it decided nothing; the service runs the rules on the head
+# it answers, which must agree. The general path sends it last, once the rules have judged.
+_DECIDE_FIRST_TRIES = DriverStatement(f"""
+WITH h AS MATERIALIZED (
+    SELECT {_cols(sinks, 's', 's_')}, {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')},
+        a.first_tids, a.first_deadline_at
+    FROM sinks AS s
+    JOIN checkpoints AS c ON c.sink_id = s.id AND c.query_id = s.lineage_query_id AND c.batch_id = :batch_id
+    JOIN attempts AS a ON a.checkpoint_id = c.id AND a.number = :number
+    WHERE s.name = :name
+    FOR SHARE OF s FOR UPDATE OF c, a
+), hn AS MATERIALIZED (
+    SELECT h.*, COALESCE(CAST(:now AS timestamptz), clock_timestamp()) AS db_now FROM h
+), ok AS MATERIALIZED (
+    SELECT hn.s_id, hn.c_id, hn.a_id, hn.first_tids, hn.db_now AS now FROM hn
+    WHERE hn.s_retired_at IS NULL AND hn.s_generation = :generation
+    AND hn.c_state = 'OPEN' AND hn.c_current_attempt = :number
+    AND hn.a_id = :attempt_id AND hn.a_state = 'OPEN' AND hn.a_generation = :generation
+    AND cardinality(hn.first_tids) = :first_tries
+    AND (hn.first_deadline_at >= hn.db_now + hn.s_commit_margin_ms * interval '1 millisecond'
+         OR cardinality(CAST(:unused AS int[])) = :first_tries)
+), c AS (  -- each row by its id (a join with ok let the generic plan scan the OPEN checkpoints of every sink)
+    UPDATE checkpoints SET state = 'COMMITTING', decided_at = (SELECT now FROM ok), committed_attempt = :number
+    WHERE id = (SELECT c_id FROM ok) AND state = 'OPEN' RETURNING *
+), a AS (
+    UPDATE attempts SET state = 'COMMITTING', decided_at = (SELECT now FROM ok), partitions = :partitions,
+        job_ms = :job_ms, first_records = CAST(:records AS json)
+    WHERE id = (SELECT a_id FROM ok) AND state = 'OPEN' AND first_tids IS NOT NULL RETURNING *
+), t AS (
+    UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = (SELECT now FROM ok),
+        reusable_at = NULL
+    FROM ok CROSS JOIN unnest(CAST(:unused AS int[])) AS u(partition)
+    WHERE t.transactional_id = ok.first_tids[u.partition + 1]
+    AND t.lease_id = {FIRST_TRY_ID_BASE} + ok.a_id * {FIRST_TRY_ID_STRIDE} + u.partition AND t.state = 'LEASED'
+    AND EXISTS (SELECT 1 FROM a)
+    RETURNING t.id
+), ev AS (
+    INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail)
+    SELECT ok.s_id, ok.c_id, ok.now, 'commit_decided', :actor, CAST(:detail AS jsonb)
+    FROM ok, c, a
+)
+SELECT hn.*, EXISTS (SELECT 1 FROM ok) AS decided,
+    coordinator_assert(NOT EXISTS (SELECT 1 FROM ok) OR (
+        (SELECT count(*) FROM c) = 1 AND (SELECT count(*) FROM a) = 1
+        AND (SELECT count(*) FROM t) = cardinality(CAST(:unused AS int[]))),
+        'the checkpoint, attempt or an id changed state under the locks of the decision') AS checked
+FROM hn
+""", generic_plan=True)
+
+
+class FirstTriesDecided(NamedTuple):
+    head: CommitHead  # as locked, before the decision (its first tries LEASED)
+    checkpoint: Checkpoint  # decided
+    attempt: Attempt  # decided
+    winners: list[Lease]  # COMMITTING with their records, by partition
+    unused: list[Lease]  # the empty partitions' first tries, ABORTED (their ids FREE again)
+
+
+def decide_first_tries(
+    conn: Connection, request: FirstTriesCommit, *, name: str, batch_id: int, number: int, generation: int,
+    job_ms: int | None, now: datetime | None, actor: str,
+) -> FirstTriesDecided | None:
+    """The decision, when its guard holds, else None (nothing was written); either way the
+    transaction commits with it (the caller's last statement, or its only one: then the whole
+    transaction is one round trip). `now`: the time to judge and write, or None for the database's
+    clock read after the locks."""
+    require_transition(CheckpointState.OPEN, CheckpointState.COMMITTING)
+    require_transition(AttemptState.OPEN, AttemptState.COMMITTING)
+    require_transition(LeaseState.LEASED, LeaseState.COMMITTING)
+    if request.unused:
+        require_transition(LeaseState.LEASED, LeaseState.ABORTED)
+        require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
+    rows = _DECIDE_FIRST_TRIES.rows(conn, {
+        "name": name, "batch_id": batch_id, "number": number, "generation": generation, "now": now,
+        "attempt_id": request.attempt_id, "first_tries": len(request.records), "partitions": request.partitions,
+        "job_ms": job_ms, "actor": actor,
+        "records": _json([None if r is None else [r.producer_id, r.producer_epoch, r.records, r.bytes, r.write_ms,
+                                                   r.first_offsets] for r in request.records]),
+        "unused": int_array(request.unused),
+        "detail": _json(decision_event_detail(batch_id, number, (
+            (p, first_try_lease_id(request.attempt_id, p)) for p, r in enumerate(request.records) if r is not None))),
+    }, commit=True)
+    if not rows or not rows[0]["decided"]:
+        return None
+    row = rows[0]
+    # the head as locked; the decided rows are it with what the statement wrote
+    sink, checkpoint, attempt = Sink.from_mapping(row, "s_"), Checkpoint.from_mapping(row, "c_"), Attempt.from_mapping(row, "a_")
+    decided_at = row["db_now"]
+    first_tries = open_first_tries(sink.id, attempt, row["first_tids"], row["first_deadline_at"])
+    head = CommitHead(sink, checkpoint, attempt, first_tries, decided_at)
+    winners = [
+        # each record's first offsets as the views read them back: json keeps the text as sent, and
+        # the document's text holds each value's text as encoded alone (compact, one encoder)
+        lease.with_changes(
+            state=LeaseState.COMMITTING, producer_id=r.producer_id, producer_epoch=r.producer_epoch, records=r.records,
+            bytes=r.bytes, write_ms=r.write_ms, first_offsets=None if r.first_offsets is None else _json(r.first_offsets),
+            precommitted_at=decided_at,
+        )
+        for lease, r in zip(first_tries, request.records) if r is not None
+    ]
+    unused = Lease.all_with_changes((first_tries[p] for p in request.unused), state=LeaseState.ABORTED,
+                                    resolved_at=decided_at)
+    return FirstTriesDecided(
+        head,
+        checkpoint.with_changes(state=CheckpointState.COMMITTING, decided_at=decided_at, committed_attempt=number),
+        attempt.with_changes(state=AttemptState.COMMITTING, decided_at=decided_at, partitions=request.partitions,
+                             job_ms=job_ms),
+        winners, unused)
 
 
 # --- commit: marking it committed after Kafka ---------------------------------------------------

@@ -120,11 +120,13 @@ def test_an_aborted_attempt_keeps_its_first_tries_only_as_lease_rows(coordinator
 def test_a_commit_that_waited_for_the_attempt_sees_the_first_tries_another_transaction_moved(
     engine: Engine, kafka: Any
 ) -> None:
-    """commit_head reads the first tries from the attempt's row it locked. A lease granted while
-    the commit waits for that lock (here: the first tries moved to lease_rows and a retry's lease
-    added, as begin_partition does) is seen after the wait: the locked row is its latest version,
-    with no first tries left on it, and the commit reads the lease rows. Reading the row as the
-    statement's snapshot had it would take the common path and miss the retry's transaction."""
+    """The commit's first statement (the first tries' decision, as commit_head after it) reads the
+    first tries from the attempt's row it locked. A lease granted while the commit waits for that
+    lock (here: the first tries moved to lease_rows and a retry's lease added, as begin_partition
+    does) is seen after the wait: the locked row is its latest version, with no first tries left
+    on it, so the decision's guard does not hold and the general path reads the lease rows.
+    Reading the row as the statement's snapshot had it would decide the first tries alone and
+    miss the retry's transaction."""
     import threading
     import time
 

@@ -373,16 +373,17 @@ def begin_new_batch(
 # outer SELECT evaluates clock_timestamp() for a row only once the CTE has locked it). A row
 # locked after a wait is its latest version, so first tries seen on the row are the attempt's only
 # leases: any other lease of it is written after moving them to lease_rows (materialize_first_tries),
-# under the attempt's lock that this statement now holds.
-_COMMIT_HEAD = DriverStatement(f"""
-WITH h AS MATERIALIZED (
+# under the attempt's lock that this statement now holds. The first tries' decision starts the same.
+_LOCK_COMMIT_HEAD = f"""
     SELECT {_cols(sinks, 's', 's_')}, {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')},
         a.first_tids, a.first_deadline_at
     FROM sinks AS s
     JOIN checkpoints AS c ON c.sink_id = s.id AND c.query_id = s.lineage_query_id AND c.batch_id = :batch_id
     JOIN attempts AS a ON a.checkpoint_id = c.id AND a.number = :number
     WHERE s.name = :name
-    FOR SHARE OF s FOR UPDATE OF c, a
+    FOR SHARE OF s FOR UPDATE OF c, a"""
+_COMMIT_HEAD = DriverStatement(f"""
+WITH h AS MATERIALIZED ({_LOCK_COMMIT_HEAD}
 )
 SELECT *, clock_timestamp() AS db_now FROM h
 """)
@@ -587,14 +588,7 @@ def first_tries_commit(results: Sequence[PartitionResult], max_partitions: int) 
 # and runs the general path after it if it decided nothing; the service runs the rules on the head
 # it answers, which must agree. The general path sends it last, once the rules have judged.
 _DECIDE_FIRST_TRIES = DriverStatement(f"""
-WITH h AS MATERIALIZED (
-    SELECT {_cols(sinks, 's', 's_')}, {_cols(checkpoints, 'c', 'c_')}, {_cols(attempt_columns, 'a', 'a_')},
-        a.first_tids, a.first_deadline_at
-    FROM sinks AS s
-    JOIN checkpoints AS c ON c.sink_id = s.id AND c.query_id = s.lineage_query_id AND c.batch_id = :batch_id
-    JOIN attempts AS a ON a.checkpoint_id = c.id AND a.number = :number
-    WHERE s.name = :name
-    FOR SHARE OF s FOR UPDATE OF c, a
+WITH h AS MATERIALIZED ({_LOCK_COMMIT_HEAD}
 ), hn AS MATERIALIZED (
     SELECT h.*, COALESCE(CAST(:now AS timestamptz), clock_timestamp()) AS db_now FROM h
 ), ok AS MATERIALIZED (

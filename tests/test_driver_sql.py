@@ -136,6 +136,7 @@ def test_after_psycopg_deallocates_at_a_rollback_the_next_call_prepares_again_wi
     generation = _started(coordinator)
     _cycle(coordinator, generation, 1)
     count = text("SELECT count(*) FROM pg_prepared_statements")
+    coordinator.connections.clear()  # the sessions the service keeps out of the pool go back to it
     with ExitStack() as stack:  # every pooled session at once
         conns = [stack.enter_context(engine.connect()) for _ in range(engine.pool.checkedin())]
         assert sum(c.execute(count).scalar_one() for c in conns) >= 5  # the batch's statements
@@ -163,6 +164,7 @@ def test_a_deallocate_nobody_announced_fails_the_transaction_once_and_it_is_retr
 ) -> None:
     generation = _started(coordinator)
     _cycle(coordinator, generation, 1)
+    coordinator.connections.clear()
     sessions = [engine.pool.connect() for _ in range(engine.pool.checkedin())]  # every pooled one
     lost = 0
     for pooled in sessions:  # straight on psycopg: no SQLAlchemy rollback tells the driver
@@ -177,10 +179,12 @@ def test_a_deallocate_nobody_announced_fails_the_transaction_once_and_it_is_retr
 
 def test_a_protocol_call_on_a_dead_pooled_connection_is_retried(coordinator: Coordinator, engine: Engine) -> None:
     """Postgres restarts or drops the session between two calls: the next call's first statement
-    (a driver statement) fails on the dead connection, and the transaction is retried on a new one."""
+    (a driver statement) fails on the dead connection, and the transaction is retried on a new one.
+    The next call takes the connection the service kept out of the pool, dead too."""
     generation = _started(coordinator)
     _cycle(coordinator, generation, 1)
-    pooled = engine.pool.checkedin()
+    assert coordinator.connections.idle() >= 1
+    pooled = engine.pool.checkedin() + coordinator.connections.idle()
     with psycopg.connect(engine.url.set(drivername="postgresql").render_as_string(hide_password=False)) as admin:
         (killed,) = admin.execute(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "

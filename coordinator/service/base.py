@@ -30,6 +30,7 @@ from ..protocol import rules
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
 from ..protocol.states import ABORT_PENDING_STATES, AttemptState, CheckpointState, LeaseState
 from ..store import driver_sql, hot_path, repo
+from ..store.connections import ConnectionShelf
 from ..store.tables import attempts, checkpoints, lease_rows, leases, sinks, unresolved_leases
 from . import metrics
 from .clock import Clock, DatabaseClock, given_now
@@ -58,6 +59,7 @@ class CoordinatorBase:
         limits: Limits | None = None,
     ) -> None:
         self.engine = engine
+        self.connections = ConnectionShelf(engine)
         self.control_plane = control_plane
         self.clock = clock or DatabaseClock(engine)
         self.limits = limits or Limits()
@@ -69,6 +71,7 @@ class CoordinatorBase:
 
     def close(self) -> None:
         self._kafka_pool.shutdown(wait=True)
+        self.connections.clear()
         if self.control_plane is not None:
             self.control_plane.close()
 
@@ -79,7 +82,7 @@ class CoordinatorBase:
         or a dead pooled connection (safe: fn has no effect outside the transaction)."""
         for attempt in range(5):
             try:
-                with self.engine.begin() as conn:
+                with self.connections.transaction() as conn:
                     return fn(conn)
             except DBAPIError as exc:
                 code = getattr(exc.orig, "sqlstate", None)

@@ -12,6 +12,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine
 
 from . import driver_sql
+from .connections import RECYCLE_S
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -33,7 +34,7 @@ def make_engine(url: str, pool_size: int = 20) -> Engine:
         # no pre-ping (a round trip per checkout, ~10% of a protocol call): the service retries a
         # transaction whose pooled connection turns out to be dead instead
         pool_pre_ping=False,
-        pool_recycle=1800,
+        pool_recycle=RECYCLE_S,
     )
     # psycopg's DEALLOCATE ALL after a rollback drops the hot path's prepared statements too; and
     # no statement may follow one that committed its transaction

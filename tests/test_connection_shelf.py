@@ -145,3 +145,17 @@ def test_the_coordinator_runs_its_transactions_on_its_shelf_and_empties_it_on_cl
     assert checkouts == [0]
     coordinator.close()
     assert coordinator.connections.idle() == 0
+
+
+def test_every_coordinator_on_an_engine_shares_its_shelf(engine: Engine, database_url: str) -> None:
+    """A coordinator object dropped without close (the simulation's crashed replica) holds no
+    connection of its own: the next one on the engine takes the shelved ones."""
+    first, second = Coordinator(engine, RecordingControlPlane()), Coordinator(engine, RecordingControlPlane())
+    assert first.connections is second.connections is ConnectionShelf.of(engine)
+    other = make_engine(database_url, pool_size=2)
+    try:
+        assert ConnectionShelf.of(other) is not ConnectionShelf.of(engine)
+    finally:
+        other.dispose()
+    first.close()
+    second.close()

@@ -59,7 +59,7 @@ class CoordinatorBase:
         limits: Limits | None = None,
     ) -> None:
         self.engine = engine
-        self.connections = ConnectionShelf(engine)
+        self.connections = ConnectionShelf.of(engine)
         self.control_plane = control_plane
         self.clock = clock or DatabaseClock(engine)
         self.limits = limits or Limits()

@@ -23,7 +23,9 @@ hold no more connections than the most transactions that ran at once."""
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,8 +38,15 @@ from .driver_sql import transaction_started
 # the pool's recycle age (store.db.make_engine), which the shelf keeps to as well
 RECYCLE_S = 1800
 
+_SHELVES: weakref.WeakKeyDictionary[Engine, ConnectionShelf] = weakref.WeakKeyDictionary()
+_SHELVES_LOCK = threading.Lock()
+
 
 class ConnectionShelf:
+    """See the module's docstring. The service's shelf is the engine's (`of`): every coordinator
+    object on an engine shares it, so one dropped without `close` (a simulated crash) holds none
+    of the pool's connections."""
+
     def __init__(self, engine: Engine, keep: int | None = None, max_age_s: float = RECYCLE_S) -> None:
         """`keep`: at most that many connections wait on the shelf; by default half the pool's
         size (none for a pool that keeps no connections, such as NullPool)."""
@@ -45,9 +54,26 @@ class ConnectionShelf:
             keep = engine.pool.size() // 2 if isinstance(engine.pool, QueuePool) else 0
         if keep < 0:
             raise ValueError("keep must be >= 0")
-        self.engine, self.keep, self.max_age_s = engine, keep, max_age_s
+        self._engine = weakref.ref(engine)  # the engine keeps its shelf (`of`, the event below), not the reverse
+        self.keep, self.max_age_s = keep, max_age_s
         self._idle: deque[tuple[Connection, Pool, float]] = deque()  # (connection, its pool, checked out at)
         event.listen(engine, "engine_disposed", self._on_dispose)
+
+    @classmethod
+    def of(cls, engine: Engine) -> ConnectionShelf:
+        """The engine's shelf, made at its first use."""
+        with _SHELVES_LOCK:
+            shelf = _SHELVES.get(engine)
+            if shelf is None:
+                shelf = _SHELVES[engine] = cls(engine)
+            return shelf
+
+    @property
+    def engine(self) -> Engine:
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("the shelf's engine is gone")
+        return engine
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:

@@ -5,11 +5,13 @@ around it, and checks it back in with the pool's reset: ~50 µs of client CPU of
 transaction's ~110 µs here, and a batch runs three (bench/README.md, twenty-second round). The
 shelf keeps a few `Connection`s checked out instead: a transaction takes one (the most recently
 used: LIFO), begins and ends its transaction on it, and puts it back if it is sound. Sound: not
-invalidated, no transaction left open on the server, from the engine's current pool, younger than
-the pool's recycle age, and the shelf not full (`keep`). Anything else goes back to the pool,
-which resets, recycles or drops it as it does any connection. A dead connection empties the shelf:
-the others were opened as long ago and may have died with it (a Postgres restart); the pool
-reconnects its own after the error (SQLAlchemy invalidates the older ones).
+invalidated, no transaction left open on the server, from the engine's current pool, out of the
+pool for less than its recycle age (which the pool counts from the connection's opening: a shelved
+connection is recycled at most that much later than a pooled one), and the shelf not full
+(`keep`). Anything else goes back to the pool, which resets, recycles or drops it as it does any
+connection. A dead connection empties the shelf: the others were opened as long ago and may have
+died with it (a Postgres restart); the pool reconnects its own after the error (SQLAlchemy
+invalidates the older ones).
 
 What a connection on the shelf carries between transactions is only what the pool would keep
 too: the session's prepared statements (store.driver_sql's record of them lives on the DBAPI

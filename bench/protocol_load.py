@@ -5,7 +5,6 @@ the record afterwards."""
 
 from __future__ import annotations
 
-import gc
 import multiprocessing as mp
 import os
 import secrets
@@ -192,10 +191,10 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
         for t in threads:
             t.start()
         primed.wait()  # every driver has done its first cycle
-        # as `coordinator serve` does once its app is built (coordinator/app.py): full collections
-        # skip what exists now (modules, engine, pools); unfrozen, they cost ~4 ms per P=200 batch
-        gc.collect()
-        gc.freeze()
+        # as `coordinator serve` does once its app is built: full collections skip what exists now
+        # (modules, engine, pools; unfrozen, they cost ~4 ms per P=200 batch), and start rarely
+        from coordinator.app import settle_gc
+        settle_gc()
         ready.put(os.getpid())
         go.wait()
         stats.t_start, stats.t_end = window[0], window[1]

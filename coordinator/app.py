@@ -68,12 +68,27 @@ def create_app_from_env() -> FastAPI:
             "COORDINATOR_RECOVERY_ENABLED=false: this process never runs the recovery loop; decided commits "
             "finish only when a driver resumes them, and nothing sweeps lingering transactions"
         )
-    # The imports and the app leave ~130k objects that live as long as the process. Every full
-    # collection walked them all: ~60 ms with the GIL held, about once a second under 200-partition
-    # batches (their calls' p99). Frozen, collections skip them (garbage among them goes first).
+    settle_gc()
+    return app
+
+
+# Collections start when the tracked objects alive have grown by this many since the last one.
+# Python's 700 started one in the middle of most 200-partition calls, which walked the call's
+# own records (alive until it answers, garbage right after): ~1,400 young collections and ~12
+# full ones per worker in 10 s, 6% of a worker's CPU, and a full one held the GIL ~13 ms. At
+# 50,000 a worker ran none in that time; 0.9x the coordinator's CPU per 200-partition batch over
+# HTTP and no change at 2 partitions (bench/README.md, twenty-second round).
+GC_THRESHOLD = 50_000
+
+
+def settle_gc() -> None:
+    """The garbage collector's settings for a process that serves the protocol, once it is built.
+    The imports and the app leave ~130k objects that live as long as the process. Every full
+    collection walked them all: ~60 ms with the GIL held, about once a second under 200-partition
+    batches (their calls' p99). Frozen, collections skip them (garbage among them goes first)."""
     gc.collect()
     gc.freeze()
-    return app
+    gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def with_recovery_loop(app: FastAPI, loop: RecoveryLoop) -> FastAPI:

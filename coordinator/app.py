@@ -74,10 +74,10 @@ def create_app_from_env() -> FastAPI:
 
 # Collections start when the tracked objects alive have grown by this many since the last one.
 # Python's 700 started one in the middle of most 200-partition calls, which walked the call's
-# own records (alive until it answers, garbage right after): ~1,400 young collections and ~12
-# full ones per worker in 10 s, 6% of a worker's CPU, and a full one held the GIL ~13 ms. At
-# 50,000 a worker ran none in that time; 0.9x the coordinator's CPU per 200-partition batch over
-# HTTP and no change at 2 partitions (bench/README.md, twenty-second round).
+# own records (alive until it answers, garbage right after): in a 10-s run over HTTP the busier
+# worker ran ~3,150 young and ~26 full collections, ~5% of its CPU (~1% at 2 partitions). At
+# 50,000 the workers ran none after starting (bench/README.md, twenty-second round). Cyclic
+# garbage waits longer for its collection: at most that many objects, a few MB.
 GC_THRESHOLD = 50_000
 
 

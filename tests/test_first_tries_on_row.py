@@ -66,6 +66,21 @@ def test_the_common_path_writes_no_lease_row_and_the_views_show_every_lease(coor
     assert rows(engine, "SELECT count(*) FROM transactional_ids WHERE state <> 'FREE'") == [(0,)]
 
 
+def test_records_without_a_write_time_or_first_offsets_are_answered_as_stored(coordinator: Coordinator) -> None:
+    """An older writer's record has neither (both null in the attempt row's document); the winners
+    the decision builds from its own encoding must still be the rows the views read back."""
+    gen = start(coordinator)
+    begun = coordinator.begin_checkpoint(NAME, 1, gen, ACTOR, partitions=3)
+    assert begun.attempt is not None
+    bare = [PrecommitRecord(4000 + p, 2, 5, 50) for p in range(3)]
+    bare[1] = PrecommitRecord(4001, 2, 5, 50, 9, [])  # an empty list is kept, not read as null
+    answer = coordinator.commit(NAME, 1, begun.attempt.number, gen,
+                                [PartitionResult(p, begun.pre_leases[p].id, bare[p]) for p in range(3)], ACTOR)
+    after = leases_of(coordinator, begun.attempt.id)
+    assert [(x.write_ms, x.first_offsets) for x in after] == [(None, None), (9, "[]"), (None, None)]
+    assert sorted(answer.winners, key=lambda w: w.id) == after
+
+
 def test_a_retrys_lease_moves_the_first_tries_to_lease_rows_unchanged(coordinator: Coordinator,
                                                                        engine: Engine) -> None:
     gen = start(coordinator)

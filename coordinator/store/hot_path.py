@@ -628,6 +628,10 @@ FROM hn
 """, generic_plan=True)
 
 
+_WINNER_FIELDS = ("id", "partition", "transactional_id", "producer_id", "producer_epoch", "records", "bytes",
+                  "write_ms", "first_offsets")
+
+
 class FirstTriesDecided(NamedTuple):
     head: CommitHead  # as locked, before the decision (its first tries LEASED)
     checkpoint: Checkpoint  # decided
@@ -650,12 +654,16 @@ def decide_first_tries(
     if request.unused:
         require_transition(LeaseState.LEASED, LeaseState.ABORTED)
         require_transition(TransactionalIdState.LEASED, TransactionalIdState.FREE)
+    # each record encoded once, as its array on the attempt row: the row's document joins them,
+    # and a winner's first offsets are that text after its fifth comma (the five values before
+    # are numbers or null), as the views read them back
+    record_texts = [None if r is None else _json([r.producer_id, r.producer_epoch, r.records, r.bytes, r.write_ms,
+                                                  r.first_offsets]) for r in request.records]
     rows = _DECIDE_FIRST_TRIES.rows(conn, {
         "name": name, "batch_id": batch_id, "number": number, "generation": generation, "now": now,
         "attempt_id": request.attempt_id, "first_tries": len(request.records), "partitions": request.partitions,
         "job_ms": job_ms, "actor": actor,
-        "records": _json([None if r is None else [r.producer_id, r.producer_epoch, r.records, r.bytes, r.write_ms,
-                                                   r.first_offsets] for r in request.records]),
+        "records": "[" + ",".join(["null" if text is None else text for text in record_texts]) + "]",
         "unused": int_array(request.unused),
         "detail": _json(decision_event_detail(batch_id, number, (
             (p, first_try_lease_id(request.attempt_id, p)) for p, r in enumerate(request.records) if r is not None))),
@@ -668,16 +676,14 @@ def decide_first_tries(
     decided_at = row["db_now"]
     first_tries = open_first_tries(sink.id, attempt, row["first_tids"], row["first_deadline_at"])
     head = CommitHead(sink, checkpoint, attempt, first_tries, decided_at)
-    winners = [
-        # each record's first offsets as the views read them back: json keeps the text as sent, and
-        # the document's text holds each value's text as encoded alone (compact, one encoder)
-        lease.with_changes(
-            state=LeaseState.COMMITTING, producer_id=r.producer_id, producer_epoch=r.producer_epoch, records=r.records,
-            bytes=r.bytes, write_ms=r.write_ms, first_offsets=None if r.first_offsets is None else _json(r.first_offsets),
-            precommitted_at=decided_at,
-        )
-        for lease, r in zip(first_tries, request.records) if r is not None
-    ]
+    # the first tries differ only in these three fields (open_first_tries), so the winners are
+    # copies of one COMMITTING lease with those and their records' fields set
+    committing = first_tries[0].with_changes(state=LeaseState.COMMITTING, precommitted_at=decided_at)
+    winners = committing.variants(_WINNER_FIELDS, [
+        (lease.id, lease.partition, lease.transactional_id, r.producer_id, r.producer_epoch, r.records, r.bytes,
+         r.write_ms, None if r.first_offsets is None else text.split(",", 5)[5][:-1])
+        for lease, r, text in zip(first_tries, request.records, record_texts) if r is not None
+    ])
     unused = Lease.all_with_changes((first_tries[p] for p in request.unused), state=LeaseState.ABORTED,
                                     resolved_at=decided_at)
     return FirstTriesDecided(

@@ -676,8 +676,8 @@ def decide_first_tries(
     decided_at = row["db_now"]
     first_tries = open_first_tries(sink.id, attempt, row["first_tids"], row["first_deadline_at"])
     head = CommitHead(sink, checkpoint, attempt, first_tries, decided_at)
-    # the first tries differ only in these three fields (open_first_tries), so the winners are
-    # copies of one COMMITTING lease with those and their records' fields set
+    # the first tries differ only in their id, partition and transactional id (open_first_tries),
+    # so the winners are copies of one COMMITTING lease with those and their records' fields set
     committing = first_tries[0].with_changes(state=LeaseState.COMMITTING, precommitted_at=decided_at)
     winners = committing.variants(_WINNER_FIELDS, [
         (lease.id, lease.partition, lease.transactional_id, r.producer_id, r.producer_epoch, r.records, r.bytes,

@@ -10,7 +10,7 @@ partition.) Many simulated drivers run batches back to back, one sink each (a qu
 micro-batch at a time per sink). Modes:
   inprocess  the drivers call `Coordinator` directly: the coordinator's logic and Postgres only;
   http       a real `coordinator serve` (uvicorn, --workers, as deployed) with
-             COORDINATOR_KAFKA_CONTROL_PLANE=none, driven by keep-alive http.client connections.
+             COORDINATOR_KAFKA_CONTROL_PLANE=none, driven by keep-alive HTTP/1.1 connections.
 
 First the floor: what one Python process gets from the same Postgres without the coordinator
 (raw psycopg one-row update transactions/s). Then one run per (mode, shape); the report is printed

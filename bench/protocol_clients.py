@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import pydantic_core
+
 ROOT = Path(__file__).resolve().parent.parent
 
 class Rejected(Exception):
@@ -89,9 +91,12 @@ class InprocessSink:
 
 
 class HttpSink:
-    """One keep-alive HTTP/1.1 connection per calling thread, on the standard library's
-    http.client: the load generator shares the 2 cores with the server, and httpx cost ~1 ms of
-    client CPU per call (a third of the server's own), which the server then did not get."""
+    """One keep-alive HTTP/1.1 connection per calling thread, spoken on a plain socket: the load
+    generator shares the 2 cores with the server, so every millisecond of its CPU is one the
+    server does not get. Each request's head is the same but for its path and length, and an
+    answer is read by its Content-Length (uvicorn answers every call so); bodies are encoded and
+    parsed by pydantic's core. http.client cost ~0.2 ms more per call in its header handling,
+    httpx ~1 ms; json's module ~1 ms more per 200-partition commit."""
 
     def __init__(self, base_url: str, name: str, token: str) -> None:
         import urllib.parse
@@ -101,57 +106,80 @@ class HttpSink:
         parts = urllib.parse.urlsplit(base_url)
         self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 80
         self._path = f"/v1/sinks/{name}"
-        self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self._head = (f"Host: {self._host}:{self._port}\r\nAuthorization: Bearer {token}\r\n"
+                      "Content-Type: application/json\r\n").encode()
         self._local = threading.local()
-        self._connections: list[Any] = []
+        self._connections: list[socket.socket] = []
 
-    def _connection(self) -> Any:
+    def _connection(self) -> tuple[socket.socket, bytearray]:
         c = getattr(self._local, "connection", None)
         if c is None:
-            import http.client
-
-            c = http.client.HTTPConnection(self._host, self._port, timeout=60.0)
-            self._local.connection = c
-            self._connections.append(c)
+            s = socket.create_connection((self._host, self._port), timeout=60.0)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            c = self._local.connection = (s, bytearray())
+            self._connections.append(s)
         return c
 
-    def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
-        import http.client
+    def _exchange(self, request: bytes) -> tuple[int, bytes, bool]:
+        """Status, body and whether the server keeps the connection open."""
+        s, buffer = self._connection()
+        s.sendall(request)
+        while (end := buffer.find(b"\r\n\r\n")) < 0:
+            if not (chunk := s.recv(65536)):
+                raise ConnectionError("the server closed the connection")
+            buffer += chunk
+        head = bytes(buffer[:end]).lower()
+        length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+        start = end + 4
+        while len(buffer) < start + length:
+            if not (chunk := s.recv(max(65536, start + length - len(buffer)))):
+                raise ConnectionError("the server closed the connection")
+            buffer += chunk
+        body = bytes(buffer[start:start + length])
+        del buffer[:start + length]
+        return int(head[9:12]), body, b"connection: close" not in head
 
+    def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
+        request = b"".join((f"{method} {path} HTTP/1.1\r\n".encode(), self._head,
+                            b"Content-Length: %d\r\n\r\n" % len(body or b""), body or b""))
         for attempt in (0, 1):
-            c = self._connection()
             try:
-                c.request(method, path, body=body, headers=self.headers)
-                r = c.getresponse()
-                return r.status, r.read()
-            except (http.client.HTTPException, ConnectionError):
+                status, answer, keep = self._exchange(request)
+            except ConnectionError:
                 # the server closed (or reset) an idle keep-alive connection as we reused it
                 # (uvicorn's 5 s keep-alive timeout, reached when a slow batch leaves an executor's
                 # connection idle): protocol calls are safe to retry, as the writer's client does
-                c.close()
+                self._drop()
                 if attempt:
                     raise
+                continue
+            if not keep:
+                self._drop()
+            return status, answer
         raise AssertionError("unreachable")
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        import json
+    def _drop(self) -> None:
+        c = getattr(self._local, "connection", None)
+        if c is not None:
+            c[0].close()
+            self._local.connection = None
 
-        status, raw = self._request("POST", self._path + path, json.dumps(body).encode())
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        status, raw = self._request("POST", self._path + path, pydantic_core.to_json(body))
         if status >= 300:
             try:
-                err = json.loads(raw)["error"]
+                err = pydantic_core.from_json(raw)["error"]
                 raise Rejected(err.get("reason", str(status)), err.get("message", raw.decode(errors="replace")))
             except (ValueError, KeyError, TypeError):
                 raise Rejected(f"http_{status}", raw[:300].decode(errors="replace")) from None
-        return json.loads(raw)
+        answer: dict[str, Any] = pydantic_core.from_json(raw)
+        return answer
 
     @property
     def pre_leases(self) -> bool:
         """Whether the server's begin takes a partition count (the two-call protocol)."""
-        import json
-
         status, raw = self._request("GET", "/openapi.json", None)
-        schema = json.loads(raw)
+        schema = pydantic_core.from_json(raw)
         return "partitions" in schema["components"]["schemas"]["BeginCheckpointRequest"]["properties"]
 
     def close(self) -> None:

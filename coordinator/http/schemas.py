@@ -352,7 +352,8 @@ def _ms(d: timedelta) -> int:
 
 
 def _json_text(value: Any) -> str:
-    """A string value's JSON text as pydantic's core would encode `value` (e.g. a datetime)."""
+    """The text pydantic's core encodes `value` as, without its quotes: for a value encoded as a
+    string with nothing to escape (a datetime), so that this str encodes to the same JSON."""
     return pydantic_core.to_json(value).decode()[1:-1]
 
 

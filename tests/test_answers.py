@@ -1,4 +1,4 @@
-"""The hot protocol answers are encoded from plain values (`schemas.answer_fields`, `api._answer`),
+"""The hot protocol answers are encoded from plain values (`answers.answer_fields`, `api._answer`),
 not from validated models: for every shape an answer takes, those bytes must be the ones the
 model's own `model_dump_json` gives (what FastAPI would send for the route's response model)."""
 
@@ -11,7 +11,8 @@ import pytest
 from pydantic import BaseModel
 from pydantic_core import to_json
 
-from coordinator.http.schemas import BeginOut, CommitOut, answer_fields
+from coordinator.http.answers import answer_fields
+from coordinator.http.schemas import BeginOut, CommitOut
 from coordinator.protocol.model import FIRST_TRY_TASK_ATTEMPT, Attempt, Checkpoint, Lease
 from coordinator.protocol.rules import BeginAction
 from coordinator.protocol.states import AttemptState, CheckpointState, LeaseState

@@ -122,7 +122,7 @@ def _json(model: BaseModel, status_code: int = 200) -> Response:
 
 
 def _answer(fields: dict[str, Any]) -> Response:
-    """A hot protocol answer from its model's fields as plain values (`schemas.answer_fields`):
+    """A hot protocol answer from its model's fields as plain values (`answers.answer_fields`):
     the JSON `_json` would send for the validated model, without building the model."""
     return Response(to_json(fields), media_type="application/json")
 

@@ -8,8 +8,10 @@
 2. `--coordinator`: the real `coordinator serve` (one worker, a throwaway Postgres, no Kafka
    control plane), driven by two-partition begin + commit cycles, one sink per client. The
    server's CPU is split by thread from /proc/<pid>/task: the event loop's thread is the HTTP
-   layer (uvicorn, the ASGI middlewares, routing, auth, validation, serialisation); the other
-   threads are the service in the thread pool (SQL) and the recovery loop.
+   layer (uvicorn, the ASGI middlewares, routing, auth, validation, serialisation) and, while
+   fewer calls run at once than half the database pool, the service's SQL too (the fast lane runs
+   them on the loop); the other threads are the fast lane's pool (calls beyond that) and the
+   recovery loop.
 
     python bench/http_overhead.py                  # 4 variants x 2 routes, ~1 min
     python bench/http_overhead.py --seconds 3 --clients 4

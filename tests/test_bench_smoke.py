@@ -244,8 +244,11 @@ def test_http_overhead_bench_splits_the_real_servers_cpu_by_thread() -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (label, f), = [measure.parse_figure_line(line) for line in out.stdout.splitlines() if line.startswith("http ")]
     assert label == "http coordinator", label
-    # every call is a begin or a commit the server answered: its loop and its threads both worked
-    assert float(f["loop_cpu_us_per_call"]) > 0 and float(f["threads_cpu_us_per_call"]) > 0, f
+    # one client's calls all run on the event loop (the fast lane hands a call to its threads only
+    # when half the pool's worth already run there): the loop does the work; the other threads (the
+    # recovery loop) may not be scheduled at all in one second
+    assert float(f["loop_cpu_us_per_call"]) > 0, f
+    assert float(f["loop_cpu_us_per_call"]) > 5 * float(f["threads_cpu_us_per_call"]), f
     assert float(f["cpu_us_per_call"]) == pytest.approx(
         float(f["loop_cpu_us_per_call"]) + float(f["threads_cpu_us_per_call"]), rel=0.01, abs=2)
     assert float(f["calls_per_s"]) > 0, f

@@ -570,10 +570,11 @@ def first_tries_commit(results: Sequence[PartitionResult], max_partitions: int) 
 
 # The decision of first tries on the attempt's row, with the locks of _COMMIT_HEAD and the clock
 # read after them (or the caller's time), and its COMMIT: the checkpoint and attempt OPEN ->
-# COMMITTING, the records on the attempt row (a json array by partition, null for an empty one:
-# [producer_id, producer_epoch, records, bytes, write_ms, first_offsets]; json keeps the text as
-# sent, migration 0015), so its first tries with a record are COMMITTING and the others ABORTED,
-# whose ids are free again at once (no producer ever used them); and the commit_decided event.
+# COMMITTING, the records on the attempt row (a JSON array by partition, null for an empty one:
+# [producer_id, producer_epoch, records, bytes, write_ms, first_offsets], stored as the text this
+# module encoded, unchecked: migration 0018), so its first tries with a record are COMMITTING and
+# the others ABORTED, whose ids are free again at once (no producer ever used them); and the
+# commit_decided event.
 #
 # It decides only when its guard holds, and otherwise writes nothing and answers the head as locked
 # (or no row). The guard restates what the service's rules ask of this decision (check_generation,
@@ -604,7 +605,7 @@ WITH h AS MATERIALIZED ({_LOCK_COMMIT_HEAD}
     WHERE id = (SELECT c_id FROM ok) AND state = 'OPEN' RETURNING *
 ), a AS (
     UPDATE attempts SET state = 'COMMITTING', decided_at = (SELECT now FROM ok), partitions = :partitions,
-        job_ms = :job_ms, first_records = CAST(:records AS json)
+        job_ms = :job_ms, first_records = :records
     WHERE id = (SELECT a_id FROM ok) AND state = 'OPEN' AND first_tids IS NOT NULL RETURNING *
 ), t AS (
     UPDATE transactional_ids AS t SET state = 'FREE', lease_id = NULL, released_at = (SELECT now FROM ok),
@@ -747,7 +748,8 @@ WITH n AS MATERIALIZED (
     SELECT state = 'COMMITTING' AS finish FROM checkpoints WHERE id = :checkpoint_id
 ), r AS MATERIALIZED (
     SELECT json_typeof(f.rec) <> 'null' AS won, d.id IS NOT NULL AS named
-    FROM attempts AS fa CROSS JOIN LATERAL json_array_elements(fa.first_records) WITH ORDINALITY AS f(rec, n)
+    FROM attempts AS fa
+    CROSS JOIN LATERAL json_array_elements(CAST(fa.first_records AS json)) WITH ORDINALITY AS f(rec, n)
     LEFT JOIN unnest(CAST(:done AS bigint[])) AS d(id) ON d.id = {FIRST_TRY_ID_BASE} + fa.id * {FIRST_TRY_ID_STRIDE} + f.n - 1
     WHERE fa.id = :attempt_id AND fa.first_tids IS NOT NULL
 ), u AS (

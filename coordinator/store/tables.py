@@ -111,12 +111,12 @@ attempts = Table(
     Column("job_ms", BigInteger, nullable=True),
     # The first tries of the common path, kept on this row instead of as lease rows (migration
     # 0012): their transactional ids (the i-th for partition i), their deadline, and the decision's
-    # records by partition (json, stored as sent: migration 0015). The view first_try_leases shows
-    # them as leases; any other change to one first copies them into lease_rows
-    # (repo.materialize_first_tries) and clears these columns.
+    # records by partition (JSON text as the coordinator encoded it, stored uncompressed: migrations
+    # 0015, 0018). The view first_try_leases shows them as leases; any other change to one first
+    # copies them into lease_rows (repo.materialize_first_tries) and clears these columns.
     Column("first_tids", ARRAY(String(255)), nullable=True),
     Column("first_deadline_at", TS, nullable=True),
-    Column("first_records", JSON, nullable=True),
+    Column("first_records", Text, nullable=True),
     UniqueConstraint("checkpoint_id", "number"),
     # the key of leases' one foreign key (migration 0010)
     UniqueConstraint("id", "checkpoint_id", "sink_id"),

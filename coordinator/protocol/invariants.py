@@ -11,7 +11,7 @@ is I5 (a refused call changed nothing); `check_no_quick_reuse(snapshot, reach)` 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
 from .model import Alert, Attempt, Checkpoint, Lease, Sink, TransactionalId
@@ -61,6 +61,11 @@ def _i1_structure(s: Snapshot) -> list[Violation]:
     out = []
     attempts = _attempts_by_checkpoint(s)
     for c in s.checkpoints:
+        if c.history_pruned_at is not None:  # an old batch's history pruned: only its row is left
+            if c.state is not CheckpointState.COMMITTED or attempts[c.id]:
+                out.append(Violation("I1", f"checkpoint {c.id} is {c.state} with {len(attempts[c.id])} attempt(s) "
+                                           "but marked pruned"))
+            continue
         committed = [
             a for a in attempts[c.id].values()
             if a.state in (AttemptState.COMMITTED, AttemptState.COMMITTING, AttemptState.LOST)
@@ -233,16 +238,23 @@ def check_no_quick_reuse(s: Snapshot, reach: timedelta) -> list[Violation]:
 
 
 def check_committed_unchanged(before: Snapshot, after: Snapshot) -> list[Violation]:
-    """I1, history half: a COMMITTED checkpoint and its leases never change afterwards."""
+    """I1, history half: a COMMITTED checkpoint and its leases never change afterwards, except
+    that an old one's history may be pruned (its row marked, its leases gone)."""
     out = []
     after_cp = {c.id: c for c in after.checkpoints}
     after_leases = {lease.id: lease for lease in after.leases}
     committed = {c.id for c in before.checkpoints if c.state is CheckpointState.COMMITTED}
+    pruned = {c.id for c in after.checkpoints if c.history_pruned_at is not None}
     for c in before.checkpoints:
-        if c.id in committed and after_cp.get(c.id) != c:
-            out.append(Violation("I1", f"committed checkpoint {c.id} changed: {c} -> {after_cp.get(c.id)}"))
+        later = after_cp.get(c.id)
+        if c.id in pruned and later is not None and replace(later, history_pruned_at=c.history_pruned_at) == c:
+            continue
+        if c.id in committed and later != c:
+            out.append(Violation("I1", f"committed checkpoint {c.id} changed: {c} -> {later}"))
     for lease in before.leases:
         if lease.checkpoint_id in committed and lease.state is LeaseState.COMMITTED:
+            if lease.checkpoint_id in pruned and lease.id not in after_leases:
+                continue
             if after_leases.get(lease.id) != lease:
                 out.append(Violation("I1", f"committed lease {lease.id} changed"))
     return out

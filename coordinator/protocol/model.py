@@ -158,6 +158,7 @@ class Checkpoint(_Record):
     lost_reason: str | None = None  # why Kafka refused a winner's commit (state LOST)
     lost_at: datetime | None = None
     offsets_digest: str | None = None  # the offsets Spark planned for the batch, bound at first begin
+    history_pruned_at: datetime | None = None  # its attempts, leases and events pruned (it stays COMMITTED)
 
 
 @dataclass(frozen=True)

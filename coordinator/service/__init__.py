@@ -15,10 +15,12 @@ One module per concern, composed into the one `Coordinator` everyone imports fro
   begin, leases, pre-commit, commit, resume, abort);
 - `recovery_operations.py`: what the recovery loop runs (coordinator/service/recovery.py);
 - `retirement.py`: retiring a sink once nothing of it can be open;
+- `history.py`: pruning old committed batches' history (the retention);
 - `reads.py`: the reads (the API, the dashboard, the CLI, the tests).
 """
 
 from .base import CoordinatorBase
+from .history import HistoryOperations, PruneOutcome
 from .protocol_operations import ProtocolOperations
 from .reads import Reads
 from .recovery_operations import RecoveryOperations
@@ -37,7 +39,7 @@ from .results import (
 )
 
 
-class Coordinator(ProtocolOperations, RecoveryOperations, RetirementOperations, Reads):
+class Coordinator(ProtocolOperations, RecoveryOperations, RetirementOperations, HistoryOperations, Reads):
     """The coordinator service. Split by concern into parts over one shared state (engine,
     control plane, clock, limits, `_tx`, `_parallel` in CoordinatorBase), so that each concern has
     one place a newcomer can read on its own; the public surface is the same as one class."""
@@ -51,9 +53,11 @@ __all__ = [
     "Coordinator",
     "CoordinatorBase",
     "FinishOutcome",
+    "HistoryOperations",
     "Limits",
     "PoolUsage",
     "ProtocolOperations",
+    "PruneOutcome",
     "Reads",
     "RecoveryOperations",
     "SinkOverview",

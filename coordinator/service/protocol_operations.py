@@ -664,6 +664,11 @@ class ProtocolOperations(Reads):
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             cp = repo.checkpoint_for(conn, sink, batch_id)
+            if cp.history_pruned_at is not None:
+                raise e.Conflict(
+                    e.HISTORY_PRUNED, f"batch {batch_id} committed at {cp.committed_at.isoformat()}; its attempts, "  # type: ignore[union-attr]
+                    f"leases and events were pruned at {cp.history_pruned_at.isoformat()}, so there is nothing to "
+                    "finish and no record to answer from", batch_id=batch_id)
             assert cp.committed_attempt is not None
             attempt = repo.attempt_of(conn, cp.id, cp.committed_attempt)
             return self._result_from(sink, cp, attempt, repo.leases_where(conn, leases.c.checkpoint_id == cp.id))

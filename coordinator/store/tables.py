@@ -88,8 +88,12 @@ checkpoints = Table(
     # the digest of the offsets Spark planned for the batch, bound at the first begin that names
     # them: a begin over other offsets (a checkpoint restored from a backup) is refused
     Column("offsets_digest", String(128), nullable=True),
+    # set when an old COMMITTED batch's attempts, leases and events were pruned (service/history.py);
+    # the row stays, to answer a replay of the batch id
+    Column("history_pruned_at", TS, nullable=True),
     UniqueConstraint("sink_id", "query_id", "batch_id"),
     _states("OPEN", "COMMITTING", "COMMITTED", "LOST"),
+    CheckConstraint("history_pruned_at IS NULL OR state = 'COMMITTED'", name="pruned_committed"),
     # the recovery loop looks for COMMITTING checkpoints; listing by state per sink
     Index(None, "sink_id", "state", "batch_id"),
 )

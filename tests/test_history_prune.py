@@ -1,0 +1,151 @@
+"""Pruning old batch history (`Coordinator.prune_history`, POST /v1/history/prune, `coordinator
+prune-history`, the recovery loop's retention): the bulky record of old COMMITTED batches goes,
+and nothing the protocol decides changes. Real Postgres per test; Kafka is the record-only control
+plane (this is about bookkeeping: pruning never talks to Kafka)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import select, text
+
+from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane
+from coordinator.protocol import errors as e
+from coordinator.protocol.invariants import check_invariants
+from coordinator.protocol.model import PartitionResult, PrecommitRecord
+from coordinator.protocol.rules import BeginAction
+from coordinator.protocol.states import CheckpointState
+from coordinator.service import Coordinator, SinkSpec
+from coordinator.service.clock import ManualClock
+from coordinator.store.tables import attempts, checkpoints, events, lease_rows
+
+ACTOR = "test"
+HOUR = timedelta(hours=1)
+
+
+def start(c: Coordinator, name: str) -> int:
+    c.register_sink(SinkSpec(name, f"{name}-eos", "kafka:9092", ["out"]), ACTOR)
+    return c.start_generation(name, "q1", "r1", ACTOR)[0]
+
+
+def record(lease_id: int) -> PrecommitRecord:
+    return PrecommitRecord(2000 + lease_id % 1000, 0, 5, 50, 7, [["out", 0, 40]])
+
+
+def batch(c: Coordinator, name: str, batch_id: int, gen: int, *, partitions: int = 2, speculative: bool = False) -> None:
+    """One committed batch; with `speculative`, partition 0's first try loses to a copy (its abort
+    is a Kafka call, so the batch has a lease row to resolve)."""
+    first = c.begin_checkpoint(name, batch_id, gen, ACTOR, partitions=partitions,
+                               offsets_digest=f"sha256:{batch_id:04d}").pre_leases
+    results = [PartitionResult(x.partition, x.id, record(x.id)) for x in first]
+    if speculative:
+        copy = c.begin_partition(name, batch_id, 1, gen, 0, 77)
+        results[0] = PartitionResult(0, copy.id, record(copy.id))
+    assert c.commit(name, batch_id, 1, gen, results, ACTOR).checkpoint.state is CheckpointState.COMMITTED
+
+
+def rows(c: Coordinator, table: Any, *where: Any) -> list[Any]:
+    with c.engine.connect() as conn:
+        return conn.execute(select(table).where(*where)).all()
+
+
+def assert_invariants(c: Coordinator) -> None:
+    assert [str(v) for v in check_invariants(c.snapshot())] == []
+
+
+def test_old_batches_lose_their_bulky_history_and_every_begin_decides_as_before(
+        coordinator: Coordinator, kafka: RecordingControlPlane, clock: ManualClock) -> None:
+    c = coordinator
+    gen = start(c, "orders")
+    for b in range(5):
+        batch(c, "orders", b, gen, speculative=b == 1)
+    clock.advance(seconds=3 * 3600)
+    batch(c, "orders", 5, gen)  # recent: kept
+    c.begin_checkpoint("orders", 6, gen, ACTOR, partitions=2)  # open: kept
+    old = {r.batch_id: r.id for r in rows(c, checkpoints, checkpoints.c.batch_id < 5)}
+    sink_events_before = len(rows(c, events, events.c.checkpoint_id.is_(None)))
+
+    dry = c.prune_history(2 * HOUR, ACTOR, dry_run=True)
+    assert (dry.pruned, dry.candidates, dry.by_sink) == (0, 5, {"orders": 5})
+    assert len(rows(c, attempts)) == 7  # a dry run deletes nothing
+
+    first = c.prune_history(2 * HOUR, ACTOR, limit=2)
+    assert (first.pruned, first.more) == (2, True)
+    second = c.prune_history(2 * HOUR, ACTOR, limit=2)
+    third = c.prune_history(2 * HOUR, ACTOR, limit=2)
+    assert (second.pruned, second.more, third.pruned, third.more) == (2, True, 1, False)
+    assert c.prune_history(2 * HOUR, ACTOR).pruned == 0  # nothing left: pruning again is harmless
+
+    pruned_ids = list(old.values())
+    assert rows(c, attempts, attempts.c.checkpoint_id.in_(pruned_ids)) == []
+    assert rows(c, lease_rows, lease_rows.c.checkpoint_id.in_(pruned_ids)) == []
+    assert rows(c, events, events.c.checkpoint_id.in_(pruned_ids)) == []
+    kept = rows(c, checkpoints, checkpoints.c.batch_id >= 5)
+    assert [(r.batch_id, r.history_pruned_at) for r in sorted(kept)] == [(5, None), (6, None)]
+    assert len(rows(c, attempts)) == 2  # batches 5 and 6 keep theirs
+    marked = rows(c, checkpoints, checkpoints.c.id.in_(pruned_ids))
+    assert all(r.state == "COMMITTED" and r.history_pruned_at is not None and r.offsets_digest for r in marked)
+    # the sink's own events stay, and each pruning call says what it took
+    trail = rows(c, events, events.c.checkpoint_id.is_(None))
+    pruned_events = [r.detail for r in trail if r.kind == "history_pruned"]
+    assert len(trail) == sink_events_before + 3
+    assert [(d["batches"], d["first_batch_id"], d["last_batch_id"]) for d in pruned_events] == [
+        (2, 0, 1), (2, 2, 3), (1, 4, 4)]
+
+    # a replay of a pruned batch is skipped as committed; a re-plan over other offsets is refused
+    assert c.begin_checkpoint("orders", 1, gen, ACTOR, partitions=2,
+                              offsets_digest="sha256:0001").action is BeginAction.SKIP
+    with pytest.raises(e.Conflict) as refused:
+        c.begin_checkpoint("orders", 1, gen, ACTOR, partitions=2, offsets_digest="sha256:other")
+    assert refused.value.reason == e.OFFSETS_MISMATCH
+    # an operator's resume of one answers that it is committed and its history pruned
+    with pytest.raises(e.Conflict) as resumed:
+        c.resume("orders", 3)
+    assert resumed.value.reason == e.HISTORY_PRUNED
+    detail = c.checkpoint_detail("orders", 3)
+    assert (detail.checkpoint.state, detail.attempts, detail.leases) == (CheckpointState.COMMITTED, [], [])
+    # the open batch goes on
+    pre = c.begin_checkpoint("orders", 6, gen, ACTOR, partitions=2).pre_leases
+    c.commit("orders", 6, 1, gen, [PartitionResult(x.partition, x.id, record(x.id)) for x in pre], ACTOR)
+    assert_invariants(c)
+
+
+def test_a_batch_with_an_abort_still_pending_and_each_querys_newest_batch_are_kept(
+        coordinator: Coordinator, kafka: RecordingControlPlane, clock: ManualClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    c = coordinator
+    gen = start(c, "orders")
+    batch(c, "orders", 0, gen)
+
+    def unreachable(*_: Any) -> None:
+        raise ControlPlaneError("broker unreachable", retriable=False)
+
+    with monkeypatch.context() as m:  # batch 1's losing first try cannot be aborted yet
+        m.setattr(kafka, "abort", unreachable)
+        batch(c, "orders", 1, gen, speculative=True)
+    batch(c, "orders", 2, gen)
+    other = start(c, "payments")
+    batch(c, "payments", 0, other)
+    clock.advance(seconds=3 * 3600)
+
+    outcome = c.prune_history(2 * HOUR, ACTOR)
+    assert (outcome.pruned, outcome.by_sink) == (1, {"orders": 1})  # orders' batch 0 alone
+    with c.engine.connect() as conn:
+        state = dict(conn.execute(text(
+            "SELECT s.name || ':' || c.batch_id, c.history_pruned_at IS NOT NULL FROM checkpoints c "
+            "JOIN sinks s ON s.id = c.sink_id")).all())
+    assert state == {"orders:0": True, "orders:1": False, "orders:2": False, "payments:0": False}
+    # once the abort went through (the recovery loop's pending aborts), batch 1 goes too
+    assert c.run_pending_aborts("orders").aborted
+    assert c.prune_history(2 * HOUR, ACTOR, sink="orders").pruned == 1
+    assert_invariants(c)
+
+
+def test_history_younger_than_an_hour_is_never_pruned(coordinator: Coordinator) -> None:
+    with pytest.raises(e.Invalid) as refused:
+        coordinator.prune_history(timedelta(minutes=59), ACTOR)
+    assert "younger than 1:00:00" in refused.value.message
+    with pytest.raises(e.Invalid):
+        coordinator.prune_history(HOUR, ACTOR, limit=0)

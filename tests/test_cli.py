@@ -1,4 +1,4 @@
-"""The operator commands (`coordinator sinks|checkpoints|transactions|commit|abort|acknowledge`)
+"""The operator commands (`coordinator sinks|checkpoints|transactions|commit|abort|acknowledge|prune-history`)
 end to end: the command in a subprocess (`python -m coordinator.cli`) against a real uvicorn
 service process. And `coordinator kafka commit-transaction|abort-transaction` against the real
 Kafka broker (tests/fixtures/real_kafka.py): what a read_committed consumer sees afterwards."""
@@ -257,3 +257,47 @@ def test_kafka_commit_with_a_wrong_epoch_is_refused(real_kafka: RealKafka) -> No
                 str(stats.producer_epoch + 1), "--force", "--yes")
     assert stale.returncode == 1 and "producer_fenced (refused for good)" in stale.stderr, stale.stderr
     assert partition_log(real_kafka.bootstrap, topic, 0).markers(stats.producer_id) == []
+
+
+def test_prune_history_deletes_old_batches_history_chunk_by_chunk(service: ServiceProcess, database_url: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    admin = service.client(ADMIN)
+    try:
+        writer = admin.with_token(admin.register_sink("orders", "ord", topics=["out"])["writer_token"])
+        gen = writer.start_generation("orders", "q", "r")["generation"]
+        for batch in range(3):
+            attempt = writer.begin("orders", batch, gen)["attempt"]
+            lease = writer.lease("orders", batch, attempt, gen, 0, task_attempt_id=1)
+            writer.precommit("orders", lease["lease_id"], gen, producer_id=11 + batch)
+            writer.commit("orders", batch, attempt, gen, {0: lease["lease_id"]})
+    finally:
+        admin.close()
+    engine = create_engine(database_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    with engine.begin() as conn:  # the batches were committed three hours ago
+        conn.execute(text("UPDATE checkpoints SET committed_at = committed_at - interval '3 hours'"))
+    engine.dispose()
+    url = service.url
+
+    out = run("prune-history", "--older-than", "2h", "--dry-run", url=url)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("2 committed batch(es) of all sinks committed before ")
+    assert out.stdout.rstrip().endswith("would lose their history (orders: 2)")  # batch 2, the newest, stays
+
+    out = run("prune-history", "--older-than", "2h", "--batch-size", "1", url=url)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == ["pruned 1 of ~2 batch(es)", "pruned 2 of ~2 batch(es)"]
+    assert "pruned the history of 2 committed batch(es) of all sinks" in out.stdout
+    assert ": 2 attempt(s), 2 lease row(s), 2 event(s); their checkpoint rows stay" in out.stdout
+    listed = json.loads(run("checkpoints", "orders", "--json", url=url).stdout)
+    assert [(c["batch_id"], c["state"], c["history_pruned_at"] is not None) for c in listed] == [
+        (2, "COMMITTED", False), (1, "COMMITTED", True), (0, "COMMITTED", True)]
+    out = run("commit", "orders", "0", url=url)
+    assert out.returncode == 1 and "coordinator commit: history_pruned: batch 0 committed at" in out.stderr
+
+    again = run("prune-history", "--older-than", "2h", "--sink", "orders", url=url)
+    assert again.returncode == 0 and again.stdout.startswith("0 committed batch(es) of sink orders"), again.stderr
+    young = run("prune-history", "--older-than", "30m", url=url)
+    assert young.returncode == 1 and "older_than_s" in young.stderr, young.stderr
+    bad = run("prune-history", "--older-than", "soon", url=url)
+    assert bad.returncode == 2 and "not a duration like 30d" in bad.stderr

@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -510,3 +511,21 @@ def test_names_are_escaped_and_the_wall_screen_flag_sets_large_type(client: Test
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert '<body class=""' in page and 'data-refresh="5"' in page
     assert '<body class="tv"' in client.get("/dashboard/?tv=1").text
+
+
+def test_a_pruned_batch_says_so_and_leaves_the_charts(client: TestClient, api: ProtocolClient, coordinator: Coordinator,
+                                                      clock: ManualClock) -> None:
+    gen = new_sink(api, "orders")
+    batch(api, "orders", gen, 0, [10, 20])
+    batch(api, "orders", gen, 1, [7])
+    clock.advance(seconds=2 * 3600)
+    assert coordinator.prune_history(timedelta(hours=1), "test").pruned == 1  # batch 0; batch 1 is the newest
+    login(client)
+
+    cp = client.get("/dashboard/sinks/orders/checkpoints/0").text
+    assert 'data-testid="checkpoint-state">COMMITTED<' in cp
+    assert re.findall(r'data-testid="history-pruned">([^<]+)<', cp)[0].startswith("pruned ")
+    assert 'data-testid="history-pruned"' not in client.get("/dashboard/sinks/orders/checkpoints/1").text
+    page = client.get("/dashboard/sinks/orders").text
+    assert re.findall(r'data-batch="(\d+)" data-value="([\d.]+)"', page.split('data-testid="chart-records"')[1]
+                      .split("</figure>")[0]) == [("1", "7")]

@@ -4,7 +4,7 @@
   quickstart            a local end-to-end run: embedded Postgres, a real Kafka node, the coordinator,
                         the example Spark pipeline, a read_committed check and a summary
   doctor                check the database, migrations, Kafka and the sinks' settings (coordinator/cli/doctor.py)
-  sinks, checkpoints, transactions, commit, abort, acknowledge, retire
+  sinks, checkpoints, transactions, commit, abort, acknowledge, retire, prune-history
                         operator commands against a running coordinator (HTTP, admin token; cli/operator_commands.py)
   kafka abort-transaction, kafka commit-transaction
                         act on one Kafka transaction directly, outside the coordinator's bookkeeping
@@ -30,7 +30,9 @@ from .operator_commands import (
     acknowledge_cmd,
     checkpoints_cmd,
     commit_cmd,
+    duration_s,
     operator_cmd,
+    prune_history_cmd,
     retire_cmd,
     sinks_cmd,
     transactions_cmd,
@@ -267,6 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     q = operator("retire", retire_cmd, "retire a sink that holds nothing open (its records are kept)")
     q.add_argument("sink", type=_arg("SinkName"))
     q.add_argument("--reason", type=_arg("Reason"), required=True, help="why (recorded in the event trail)")
+    q = operator("prune-history", prune_history_cmd,
+                 "delete the attempts, leases and events of old committed batches (their checkpoint rows stay)")
+    q.add_argument("--older-than", type=duration_s, required=True,
+                   help="batches committed longer ago than this: 30d, 12h, 90m (at least 1h)")
+    q.add_argument("--sink", type=_arg("SinkName"), help="only this sink's batches (all sinks' by default)")
+    q.add_argument("--batch-size", type=int, default=500, help="batches per transaction (500; 1-5000)")
+    q.add_argument("--dry-run", action="store_true", help="count what would be pruned; delete nothing")
     q = operator("acknowledge", acknowledge_cmd, "acknowledge a sink's lost data and clear its halt")
     q.add_argument("sink", type=_arg("SinkName"))
     q.add_argument("--reason", type=_arg("Reason"), required=True, help="what was done about the lost batch (recorded)")

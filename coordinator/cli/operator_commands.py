@@ -1,6 +1,6 @@
-"""The operator commands (`coordinator sinks|checkpoints|transactions|commit|abort|acknowledge|retire`):
-a few REST API v1 calls against a running coordinator with the admin token, printed as a table or
-as the API's JSON."""
+"""The operator commands (`coordinator sinks|checkpoints|transactions|commit|abort|acknowledge|retire|
+prune-history`): a few REST API v1 calls against a running coordinator with the admin token,
+printed as a table or as the API's JSON."""
 
 from __future__ import annotations
 
@@ -161,6 +161,47 @@ def acknowledge_cmd(args: argparse.Namespace) -> tuple[Any, str]:
 def retire_cmd(args: argparse.Namespace) -> tuple[Any, str]:
     data = _api(args).call("POST", f"/v1/sinks/{_segment(args.sink)}/retire", {"reason": args.reason})
     return data, f"sink {data['name']} retired at {data['retired_at']}; its records and event trail are kept"
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+
+
+def duration_s(raw: str) -> int:
+    """`30d`, `12h`, `90m` or `3600s` (a bare number is seconds), as whole seconds."""
+    text_ = raw.strip().lower()
+    unit = text_[-1:] if text_[-1:] in _UNITS else "s"
+    number = text_[:-1] if text_[-1:] in _UNITS else text_
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a duration like 30d, 12h, 90m or 3600s") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{raw!r}: a duration is not negative")
+    return round(value * _UNITS[unit])
+
+
+def prune_history_cmd(args: argparse.Namespace) -> tuple[Any, str]:
+    """Prune chunk by chunk until nothing is left, with progress on stderr (a dry run: one count)."""
+    api = _api(args)
+    body = {"older_than_s": args.older_than, "limit": args.batch_size, **({"sink": args.sink} if args.sink else {})}
+    plan = api.call("POST", "/v1/history/prune", {**body, "dry_run": True})
+    scope = f"sink {args.sink}" if args.sink else "all sinks"
+    if args.dry_run or not plan["candidates"]:
+        by_sink = ", ".join(f"{k}: {v}" for k, v in sorted(plan["by_sink"].items())) or "none"
+        return plan, (f"{plan['candidates']} committed batch(es) of {scope} committed before {plan['cutoff']} "
+                      f"would lose their history ({by_sink})")
+    total = {"pruned": 0, "attempts": 0, "lease_rows": 0, "events": 0}
+    while True:
+        chunk = api.call("POST", "/v1/history/prune", body)
+        for k in total:
+            total[k] += chunk[k]
+        print(f"pruned {total['pruned']} of ~{plan['candidates']} batch(es)", file=sys.stderr, flush=True)
+        if not chunk["more"] or not chunk["pruned"]:
+            break
+    return {**total, "cutoff": plan["cutoff"]}, (
+        f"pruned the history of {total['pruned']} committed batch(es) of {scope} committed before {plan['cutoff']}: "
+        f"{total['attempts']} attempt(s), {total['lease_rows']} lease row(s), {total['events']} event(s); "
+        "their checkpoint rows stay")
 
 
 def operator_cmd(fn: Callable[[argparse.Namespace], tuple[Any, str]]) -> Callable[[argparse.Namespace], int]:

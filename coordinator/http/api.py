@@ -4,9 +4,10 @@ mapping of protocol errors to status codes live here; decisions do not."""
 
 import logging
 import time
-from dataclasses import asdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import asdict
+from datetime import timedelta
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -20,6 +21,7 @@ from .. import __version__
 from ..service import metrics
 from .api_docs import mount_docs
 from .auth import Principal, tokens_equal, writer_token
+from .broker_schemas import BrokerCheckOut, PartitionsOut
 from ..kafka.broker import PartitionWatch
 from .dashboard import create_dashboard
 from .fast_lane import FastLane, calls_on_loop_for
@@ -46,7 +48,6 @@ from .schemas import (
     AttemptOut,
     BeginCheckpointRequest,
     BeginOut,
-    BrokerCheckOut,
     CheckpointDetailOut,
     CheckpointOut,
     CommitOut,
@@ -54,13 +55,14 @@ from .schemas import (
     EventOut,
     GenerationOut,
     GenerationRequest,
+    HistoryPrune,
+    HistoryPruned,
     LeaseGranted,
     LeaseOut,
     LeaseRequest,
     LineageReset,
     LostDataAcknowledged,
     LostDataAcknowledgement,
-    PartitionsOut,
     PrecommitBody,
     SinkOut,
     SinkRegistered,
@@ -309,6 +311,17 @@ def create_app(
         skipped when Spark replays them. Acknowledging a sink that is not halted changes nothing."""
         sink, acknowledged, lost = coordinator.acknowledge_lost_data(name, who.actor, body.reason, body.operator)
         return LostDataAcknowledged(sink=SinkOut.of(sink), acknowledged=acknowledged, lost_batches=lost)
+
+    @app.post("/v1/history/prune", tags=["operator"], responses=error_responses(401, 403, 404, 503))
+    def prune_history(body: HistoryPrune, who: Admin) -> HistoryPruned:
+        """Delete the attempts, leases and events of up to `limit` COMMITTED batches committed more
+        than `older_than_s` ago, in one transaction; call again while `more`. Each query's newest
+        committed batch, every batch not COMMITTED and every batch with an abort still pending are
+        kept whole, and every checkpoint row stays (marked `history_pruned_at`): a replay of a
+        pruned batch is skipped as committed, as before."""
+        outcome = coordinator.prune_history(timedelta(seconds=body.older_than_s), who.actor, sink=body.sink,
+                                            limit=body.limit, dry_run=body.dry_run)
+        return HistoryPruned(**outcome.to_dict())
 
     # --- checkpoints -------------------------------------------------------------------------
     # The protocol routes answer a ready Response (see _json, _answer) with the model named in the decorator.

@@ -87,6 +87,14 @@ class LostDataAcknowledgement(Request):
     operator: OperatorName | None = Field(None, description="who acknowledges (kept in the event trail)")
 
 
+class HistoryPrune(Request):
+    older_than_s: int = Field(ge=3600, le=100 * 365 * 86_400, description=(
+        "prune the history of batches committed more than this many seconds ago (at least an hour)"))
+    sink: SinkName | None = Field(None, description="only this sink's batches (a retired sink's too); every sink's by default")
+    limit: int = Field(500, ge=1, le=5_000, description="batches per call, in one transaction: call again while `more`")
+    dry_run: bool = Field(False, description="count the batches a prune would take now; delete nothing")
+
+
 class BeginCheckpointRequest(Request):
     generation: Generation
     partitions: Annotated[int | None, Field(ge=0, le=100_000, description=(
@@ -201,6 +209,17 @@ class SinkOut(BaseModel):
         return cls(**{k: getattr(s, k) for k in cls.model_fields})
 
 
+class HistoryPruned(BaseModel):
+    cutoff: datetime = Field(description="batches committed before this were prunable")
+    pruned: int = Field(description="batches whose attempts, leases and events this call deleted")
+    more: bool = Field(description="prunable batches are left: call again (a dry run: whether there are any)")
+    candidates: int | None = Field(None, description="a dry run: the batches a prune would take now")
+    attempts: int = 0
+    lease_rows: int = 0
+    events: int = 0
+    by_sink: dict[str, int] = Field(description="batches pruned (a dry run: prunable) by sink")
+
+
 class LostDataAcknowledged(BaseModel):
     sink: SinkOut
     acknowledged: bool = Field(description="false if the sink was not halted (a retried acknowledgement)")
@@ -246,6 +265,7 @@ class CheckpointOut(BaseModel):
     committed_at: datetime | None
     lost_reason: str | None = None
     lost_at: datetime | None = None
+    history_pruned_at: datetime | None = Field(None, description="its attempts, leases and events were pruned then")
 
     @classmethod
     def of(cls, c: Checkpoint) -> CheckpointOut:
@@ -418,69 +438,3 @@ class EventOut(BaseModel):
     actor: str
     batch_id: int | None
     detail: dict[str, Any]
-
-
-# --- broker observations (coordinator/kafka/broker.py) -------------------------------------------------
-
-
-class BrokerCheckOut(BaseModel):
-    name: str
-    ok: bool
-    verdict: str = Field(description="what was found, in plain words")
-    fix: str | None = Field(description="what to change when the check failed")
-    verified: bool = Field(True, description="false when the broker cannot answer this question (e.g. lacks the API)")
-
-
-class BlockingTransactionOut(BaseModel):
-    producer_id: int | None
-    producer_epoch: int | None
-    transactional_id: str | None
-    lease_id: int | None
-    lease_state: str | None
-    known: bool = Field(description="the coordinator's own transaction (one of its leases)")
-    explanation: str
-
-
-class PartitionOut(BaseModel):
-    topic: str
-    partition: int
-    high_watermark: int
-    last_stable_offset: int
-    lag: int = Field(description="records read_committed consumers cannot read yet (high watermark - last stable offset)")
-    stuck: bool = Field(description="the last stable offset stayed below the high watermark since the previous observation")
-    stalled_for_s: float | None
-    blocking_producer_id: int | None
-    blocking_producer_epoch: int | None
-    blocking_txn_start_offset: int | None
-    blocking_transaction: BlockingTransactionOut | None
-
-
-class PartitionsOut(BaseModel):
-    partitions: list[PartitionOut]
-    notes: list[str]
-
-    @classmethod
-    def of(cls, report: Any) -> PartitionsOut:
-        stuck = {(s.topic, s.partition): s for s in report.stuck}
-        blocking = {(b.topic, b.partition): b for b in report.blocking}
-        rows = []
-        for p in report.partitions:
-            key = (p.topic, p.partition)
-            b = blocking.get(key)
-            rows.append(PartitionOut(
-                topic=p.topic,
-                partition=p.partition,
-                high_watermark=p.high_watermark,
-                last_stable_offset=p.last_stable_offset,
-                lag=p.high_watermark - p.last_stable_offset,
-                stuck=key in stuck,
-                stalled_for_s=stuck[key].stalled_for_s if key in stuck else None,
-                blocking_producer_id=p.blocking_producer_id,
-                blocking_producer_epoch=p.blocking_producer_epoch,
-                blocking_txn_start_offset=p.blocking_txn_start_offset,
-                blocking_transaction=None if b is None else BlockingTransactionOut(
-                    producer_id=b.producer_id, producer_epoch=b.producer_epoch, transactional_id=b.transactional_id,
-                    lease_id=b.lease_id, lease_state=b.lease_state, known=b.known, explanation=b.explanation,
-                ),
-            ))
-        return cls(partitions=rows, notes=list(report.notes))

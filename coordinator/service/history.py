@@ -26,6 +26,7 @@ from sqlalchemy import Connection, text
 
 from ..protocol import errors as e
 from ..store import repo
+from . import metrics
 from .base import CoordinatorBase, log
 
 # The prunable COMMITTED checkpoints, oldest commit first (see the module's docstring for why
@@ -119,6 +120,9 @@ class HistoryOperations(CoordinatorBase):
                                 events=done.events, by_sink={k: len(v) for k, v in by_sink.items()})
 
         outcome = self._tx(step)
+        if not dry_run:
+            for name, n in (outcome.by_sink or {}).items():
+                metrics.HISTORY_PRUNED.labels(name).inc(n)
         if outcome.pruned:
             log.info("pruned the history of %d committed batch(es) older than %s (%s)%s", outcome.pruned,
                      outcome.cutoff.isoformat(), ", ".join(f"{k}: {v}" for k, v in (outcome.by_sink or {}).items()),

@@ -100,6 +100,8 @@ RECOVERED_COMMITS = Counter(
 RECOVERY_LEADER = Gauge("coordinator_recovery_leader", "1 while this process leads the recovery loop")
 RECOVERY_ITERATIONS = Counter("coordinator_recovery_iterations", "Recovery loop iterations run as leader")
 RECOVERY_ERRORS = Counter("coordinator_recovery_errors", "Recovery loop steps that failed", ["step"])
+HISTORY_PRUNED = Counter("coordinator_history_pruned_batches",
+                         "Committed batches whose attempts, leases and events were pruned (their rows stay)", ["sink"])
 
 # --- protocol outcomes (recorded by service/ through the functions below) ------------------------
 

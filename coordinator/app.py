@@ -7,6 +7,7 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any
 
 from fastapi import FastAPI
@@ -61,6 +62,8 @@ def create_app_from_env() -> FastAPI:
         loop = RecoveryLoop(
             coordinator, interval_ms=settings.recovery_interval_ms, leader_ttl_ms=settings.recovery_leader_ttl_ms,
             finish_grace_ms=settings.commit_reach().recovery_grace_ms,
+            history_retention=(timedelta(hours=settings.history_retention_hours)
+                               if settings.history_retention_hours else None),
         )
         with_recovery_loop(app, loop)
     else:

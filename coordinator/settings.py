@@ -68,6 +68,10 @@ class Settings(BaseSettings):
     recovery_enabled: bool = True
     recovery_interval_ms: int = Field(2_000, ge=10)
     recovery_leader_ttl_ms: int = Field(6_000, ge=50)
+    # The recovery loop's leader prunes the history (attempts, leases, events) of COMMITTED batches
+    # committed longer ago than this (service/history.py; `coordinator prune-history` does it by
+    # hand). Unset: the whole history is kept.
+    history_retention_hours: int | None = Field(None, ge=1)
     # Read-only token for the operator dashboard (/dashboard); the admin token can view and act.
     # Unset: only the admin token logs in.
     dashboard_viewer_token: SecretStr | None = None

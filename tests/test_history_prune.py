@@ -18,7 +18,9 @@ from coordinator.protocol.model import PartitionResult, PrecommitRecord
 from coordinator.protocol.rules import BeginAction
 from coordinator.protocol.states import CheckpointState
 from coordinator.service import Coordinator, SinkSpec
+from coordinator.service import recovery
 from coordinator.service.clock import ManualClock
+from coordinator.service.recovery import RecoveryLoop
 from coordinator.store.tables import attempts, checkpoints, events, lease_rows
 
 ACTOR = "test"
@@ -149,3 +151,28 @@ def test_history_younger_than_an_hour_is_never_pruned(coordinator: Coordinator) 
     assert "younger than 1:00:00" in refused.value.message
     with pytest.raises(e.Invalid):
         coordinator.prune_history(HOUR, ACTOR, limit=0)
+
+
+def test_the_recovery_loop_prunes_with_a_retention_set_a_chunk_per_iteration_while_there_is_a_backlog(
+        coordinator: Coordinator, clock: ManualClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = coordinator
+    gen = start(c, "orders")
+    for b in range(4):
+        batch(c, "orders", b, gen)
+    clock.advance(seconds=3 * 3600)
+    monkeypatch.setattr(recovery, "PRUNE_CHUNK", 2)
+    ticks = [0.0]
+    kept = RecoveryLoop(c, interval_ms=50, leader_ttl_ms=10_000, holder="replica-a", monotonic=lambda: ticks[0])
+    assert kept.run_once().pruned == 0  # no retention: nothing is pruned
+    loop = RecoveryLoop(c, interval_ms=50, leader_ttl_ms=10_000, holder="replica-a", monotonic=lambda: ticks[0],
+                        history_retention=2 * HOUR)
+    assert [loop.run_once().pruned for _ in range(3)] == [2, 1, 0]  # the backlog, then nothing due
+    batch(c, "orders", 4, gen)  # batch 3 is no longer the newest, but it is not due again yet
+    clock.advance(seconds=3 * 3600)
+    assert loop.run_once().pruned == 0
+    ticks[0] += recovery.PRUNE_EVERY_S
+    assert loop.run_once().pruned == 1
+    assert c.prune_history(2 * HOUR, ACTOR, dry_run=True).candidates == 0
+    kinds = [ev["kind"] for ev in c.list_events("orders")]
+    assert kinds.count("history_pruned") == 3
+    assert_invariants(c)

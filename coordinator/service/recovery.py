@@ -1,6 +1,7 @@
 """The recovery loop (DESIGN.md §3 step 6): exactly one leader among the service's replicas
 finishes decided commits even if Spark never comes back, aborts what must be aborted, sweeps the
-broker for lingering transactions and warns before pre-committed transactions time out.
+broker for lingering transactions and warns before pre-committed transactions time out; with a
+history retention set, it also prunes old committed batches' history (service/history.py).
 
 Leadership is a lease row with a fencing token (`recovery_leader`): one UPDATE takes the row when
 its lease has expired, or renews it for its holder, comparing with the *database's* clock
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 
 LEADERSHIP = "recovery"
 STEPS = ("finish", "pending_aborts", "expired_leases", "near_timeout", "sweep")
+# the retention's pruning: batches per transaction, and how often once the backlog is gone
+PRUNE_CHUNK = 500
+PRUNE_EVERY_S = 600
 
 _ACQUIRE = text(
     """
@@ -168,6 +172,7 @@ class IterationReport:
     token: int | None = None
     sinks: dict[str, SinkReport] = field(default_factory=dict)
     lost_leadership: bool = False
+    pruned: int = 0  # batches whose history the retention pruned
 
     @property
     def errors(self) -> dict[str, dict[str, str]]:
@@ -197,9 +202,12 @@ class RecoveryLoop:
         max_backoff_ms: int = 60_000,
         monotonic: Callable[[], float] = time.monotonic,
         finish_grace_ms: int = 0,
+        history_retention: timedelta | None = None,
     ) -> None:
         """`finish_grace_ms`: a decided commit younger than this is left to the call that decided
-        it (the service passes its commit reach's recovery_grace_ms; 0 finishes it at once)."""
+        it (the service passes its commit reach's recovery_grace_ms; 0 finishes it at once).
+        `history_retention`: prune the history of batches committed longer ago than this, a chunk
+        per iteration while there is a backlog, then every PRUNE_EVERY_S; None keeps it all."""
         if leader_ttl_ms <= interval_ms:
             raise ValueError(
                 f"the recovery leader TTL ({leader_ttl_ms} ms) must exceed the loop interval ({interval_ms} ms), "
@@ -208,6 +216,8 @@ class RecoveryLoop:
         self.coordinator = coordinator
         self.interval_ms = interval_ms
         self.finish_grace_ms = finish_grace_ms
+        self.history_retention = history_retention
+        self._prune_at = float("-inf")  # monotonic time the next prune is due
         self.max_backoff_ms = max(max_backoff_ms, interval_ms)
         self.lease = LeaderLease(coordinator.engine, holder or default_holder(), leader_ttl_ms)
         self._monotonic = monotonic
@@ -252,7 +262,26 @@ class RecoveryLoop:
                 report.lost_leadership = True
                 break
             report.sinks[name] = self._run_sink(name, honor_backoff, due)
+        if self.history_retention is not None and not report.lost_leadership:
+            report.pruned = self._prune()
         return report
+
+    def _prune(self) -> int:
+        """One chunk of the retention's pruning when it is due; the next at once while there is
+        a backlog, else after PRUNE_EVERY_S (or the backoff, after a failure)."""
+        now = self._monotonic()
+        if now < self._prune_at:
+            return 0
+        assert self.history_retention is not None
+        try:
+            outcome = self.coordinator.prune_history(self.history_retention, "recovery", limit=PRUNE_CHUNK)
+        except Exception:
+            metrics.RECOVERY_ERRORS.labels("prune").inc()
+            log.warning("recovery loop: pruning the history failed; next try in %d s", PRUNE_EVERY_S, exc_info=True)
+            self._prune_at = now + PRUNE_EVERY_S
+            return 0
+        self._prune_at = now if outcome.more else now + PRUNE_EVERY_S
+        return outcome.pruned
 
     def _sinks_due(self) -> list[tuple[str, bool, set[str]]]:
         """Every live sink: its name, whether it is halted, and the database steps that may have work."""

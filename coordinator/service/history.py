@@ -26,21 +26,27 @@ from sqlalchemy import Connection, text
 
 from ..protocol import errors as e
 from ..store import repo
+from ..store.tables import FIRST_TRY_ID_BASE, FIRST_TRY_ID_STRIDE
 from . import metrics
 from .base import CoordinatorBase, log
 
 # The prunable COMMITTED checkpoints, oldest commit first (see the module's docstring for why
-# each condition). `sink_id` NULL: every sink's.
-_PRUNABLE = """
+# each condition). `sink_id` NULL: every sink's. No condition reads the `leases` view: it would
+# unpack every attempt's first tries for each checkpoint. An id names a first try by a lease id
+# inside its attempt's block (tables.first_try_lease_id), found through the index on lease_id.
+_PRUNABLE = f"""
     SELECT c.id, c.sink_id, c.batch_id FROM checkpoints AS c
     WHERE c.state = 'COMMITTED' AND c.history_pruned_at IS NULL AND c.committed_at < :cutoff
     AND (CAST(:sink_id AS bigint) IS NULL OR c.sink_id = :sink_id)
     AND c.batch_id < (SELECT max(n.batch_id) FROM checkpoints AS n
                       WHERE n.sink_id = c.sink_id AND n.query_id = c.query_id AND n.state = 'COMMITTED')
     AND NOT EXISTS (SELECT 1 FROM attempts AS a WHERE a.checkpoint_id = c.id AND a.finished_at IS NULL)
-    AND NOT EXISTS (SELECT 1 FROM lease_rows AS l WHERE l.checkpoint_id = c.id AND l.resolved_at IS NULL)
-    AND NOT EXISTS (SELECT 1 FROM leases AS l JOIN transactional_ids AS t ON t.lease_id = l.id
-                    WHERE l.checkpoint_id = c.id)
+    AND NOT EXISTS (SELECT 1 FROM lease_rows AS l WHERE l.checkpoint_id = c.id
+                    AND (l.resolved_at IS NULL OR EXISTS (SELECT 1 FROM transactional_ids AS t WHERE t.lease_id = l.id)))
+    AND NOT EXISTS (SELECT 1 FROM attempts AS a JOIN transactional_ids AS t
+                    ON t.lease_id BETWEEN {FIRST_TRY_ID_BASE} + a.id * {FIRST_TRY_ID_STRIDE}
+                                      AND {FIRST_TRY_ID_BASE} + (a.id + 1) * {FIRST_TRY_ID_STRIDE} - 1
+                    WHERE a.checkpoint_id = c.id AND a.first_tids IS NOT NULL)
 """
 
 _CHUNK = text(f"""{_PRUNABLE}
@@ -61,9 +67,6 @@ SELECT (SELECT count(*) FROM cp) AS checkpoints, (SELECT count(*) FROM at) AS at
 """)
 
 MAX_CHUNK = 5_000
-# Younger history is never pruned: a driver may still retry the commit call of a batch it decided
-# (it answers from the batch's record), and an operator may still be reading what happened.
-MIN_RETENTION = timedelta(hours=1)
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,9 @@ class HistoryOperations(CoordinatorBase):
     ) -> PruneOutcome:
         """Delete the history of up to `limit` COMMITTED batches committed more than `older_than`
         ago (every sink's, or `sink`'s), in one transaction. Call again while `more`."""
-        if older_than < MIN_RETENTION:
-            raise e.Invalid("invalid_prune", f"history younger than {MIN_RETENTION} is kept; older_than was {older_than}")
+        youngest = timedelta(milliseconds=self.limits.history_min_retention_ms)
+        if older_than < youngest:
+            raise e.Invalid("invalid_prune", f"history younger than {youngest} is kept; older_than was {older_than}")
         if not 1 <= limit <= MAX_CHUNK:
             raise e.Invalid("invalid_prune", f"limit must be 1..{MAX_CHUNK} batches per call, got {limit}")
 

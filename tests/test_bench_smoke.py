@@ -82,6 +82,19 @@ def test_statement_times_names_each_statement_of_a_batch_with_its_times() -> Non
     assert float(summary["logged_ms_per_batch"]) > 0
 
 
+def test_prune_bench_prunes_all_but_the_newest_and_measures_the_space() -> None:
+    """bench/prune_bench.py on its own Postgres: the batches are pruned (all but the newest), a
+    pruned batch keeps less than a whole one, and the figures are there."""
+    cmd = [sys.executable, str(BENCH / "prune_bench.py"), "--partitions", "20", "--batches", "40", "--chunk", "15"]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (label, f), = [measure.parse_figure_line(line) for line in out.stdout.splitlines() if line.startswith("prune P=")]
+    assert label == "prune P=20" and f["batches"] == "39"
+    assert 0 < int(f["kept_bytes_per_batch"]) < int(f["bytes_per_batch"])
+    assert float(f["postgres_cpu_ms_per_batch"]) >= 0 and float(f["chunk_p50_ms"]) > 0
+    assert "chunks: 3 of <= 15 batches" in out.stdout
+
+
 def test_statement_times_reads_a_statement_logged_over_several_lines() -> None:
     import statement_times
 

@@ -70,6 +70,9 @@ class FaultConfig:
     end_txn_lost_reinit: float = 0.0  # per commit call: applied, answer lost, then the id initialised again
     stage_retry: float = 0.0  # per write job: stage attempt 0 is lost, its first tries (on their pre-leases)
     #                           never ran, wrote, or stalled as zombies; the stage re-runs on fresh leases
+    # not a fault: an operator's action (off by default, so the default schedules stay as they were)
+    history_prune: float = 0.0  # per recovery tick: the history of every committed batch but the newest is
+    #                             pruned, a few batches at a time (no minimum age in the simulation)
 
     ISSUE_15 = ("zombie_executor", "clock_skew", "checkpoint_restore", "kafka_unexpected_error", "end_txn_lost_reinit",
                 "stage_retry")
@@ -81,7 +84,7 @@ class FaultConfig:
     def with_issue_15(self, **overrides: float) -> FaultConfig:
         """Every fault kind of issue 15 on, at rates that fire in most schedules."""
         rates = dict(zombie_executor=0.08, clock_skew=0.3, checkpoint_restore=0.15, kafka_unexpected_error=0.1,
-                     end_txn_lost_reinit=0.05, stage_retry=0.1)
+                     end_txn_lost_reinit=0.05, stage_retry=0.1, history_prune=0.3)
         return self.scaled(**{**rates, **overrides})
 
     def scaled(self, **overrides: float) -> FaultConfig:

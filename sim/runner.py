@@ -252,7 +252,7 @@ class Sim:
         # small bounds, so that ids freed from undecided tries leave quarantine within a schedule
         self.limits = Limits(max_partitions=64, kafka_parallelism=1, lease_max_init_age_ms=3_000,
                              producer_init_timeout_ms=3_000, producer_request_timeout_ms=1_000,
-                             transactional_id_quarantine_ms=8_000)
+                             transactional_id_quarantine_ms=8_000, history_min_retention_ms=0)
         self.small_delay_ms = MARGIN_MS // 10
         self.ckpt = CheckpointLocation(query_id=f"query-{seed}")
         self.client = Client(self)
@@ -469,6 +469,7 @@ class Sim:
             return
         except InjectedDbFailure:
             return
+        self.maybe_prune_history(replica, inject=inject)
         mine = report.sinks.get(self.sink)
         if mine is not None:
             done = [f"{k}={v}" for k, v in (("committed", mine.committed), ("lost", mine.lost),
@@ -476,6 +477,29 @@ class Sim:
                                              ("lingering", self.locals(mine.lingering_aborted))) if v]
             if done or mine.errors:
                 self.trace(f"  recovery (replica {replica.index}, {why}): {' '.join(done)} {mine.errors or ''}")
+
+    def maybe_prune_history(self, replica: Replica, *, inject: bool) -> None:
+        """An operator prunes the history of every committed batch but each query's newest, a few
+        batches at a time (faults may fire inside it, as in any operation)."""
+        if not self.faults.config.history_prune or not self.faults.roll("history_prune"):
+            return
+        limit = self.rng.randint(1, 4)
+        try:
+            with self.operation("prune_history", inject=inject):
+                try:
+                    outcome = replica.coordinator.prune_history(timedelta(0), "sim", sink=self.sink, limit=limit)
+                except Exception as exc:
+                    if self.injector.dead:
+                        raise CoordinatorCrash("prune_history") from exc
+                    raise
+        except CoordinatorCrash:
+            self.restart_replica(replica)
+            return
+        except InjectedDbFailure:
+            return
+        if outcome.pruned:
+            self.faults.fired("history_prune", str(outcome.pruned))
+            self.trace(f"  operator: pruned the history of {outcome.pruned} committed batch(es)")
 
     def _release_leadership(self) -> None:
         with self.engine.begin() as conn:

@@ -28,6 +28,9 @@ class Limits:
     producer_init_timeout_ms: int = 60_000
     producer_request_timeout_ms: int = 60_000
     transactional_id_quarantine_ms: int = 180_000
+    # history younger than this is never pruned (service/history.py): a driver may still retry the
+    # commit call of a batch it decided, and that answer is read from the batch's record
+    history_min_retention_ms: int = 3_600_000
 
     @property
     def quarantine(self) -> timedelta:

@@ -96,6 +96,9 @@ checkpoints = Table(
     CheckConstraint("history_pruned_at IS NULL OR state = 'COMMITTED'", name="pruned_committed"),
     # the recovery loop looks for COMMITTING checkpoints; listing by state per sink
     Index(None, "sink_id", "state", "batch_id"),
+    # pruning finds the oldest committed batches not pruned yet without reading the pruned ones
+    Index("ix_checkpoints_prunable", "committed_at",
+          postgresql_where=text("state = 'COMMITTED' AND history_pruned_at IS NULL")),
 )
 
 attempts = Table(

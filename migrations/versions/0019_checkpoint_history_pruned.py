@@ -7,6 +7,9 @@ time of the pruning: it is what answers a replay of the batch id (skipped as com
 refuses a re-plan of it over other offsets (its offsets digest), so pruning never changes what a
 begin decides. A pruned checkpoint is always COMMITTED and has no attempt, lease or event.
 
+`ix_checkpoints_prunable` (commit time, of the COMMITTED checkpoints not pruned yet) lets each
+pruning call find the oldest batches without reading the rows already pruned, which stay.
+
 Revision ID: 0019
 Revises: 0018
 Create Date: 2026-11-28 22:00:00
@@ -27,8 +30,11 @@ def upgrade() -> None:
     op.add_column('checkpoints', sa.Column('history_pruned_at', sa.TIMESTAMP(timezone=True), nullable=True))
     op.create_check_constraint(op.f('ck_checkpoints_pruned_committed'), 'checkpoints',
                                "history_pruned_at IS NULL OR state = 'COMMITTED'")
+    op.create_index('ix_checkpoints_prunable', 'checkpoints', ['committed_at'],
+                    postgresql_where=sa.text("state = 'COMMITTED' AND history_pruned_at IS NULL"))
 
 
 def downgrade() -> None:
+    op.drop_index('ix_checkpoints_prunable', table_name='checkpoints')
     op.drop_constraint(op.f('ck_checkpoints_pruned_committed'), 'checkpoints', type_='check')
     op.drop_column('checkpoints', 'history_pruned_at')

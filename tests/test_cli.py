@@ -297,6 +297,8 @@ def test_prune_history_deletes_old_batches_history_chunk_by_chunk(service: Servi
 
     again = run("prune-history", "--older-than", "2h", "--sink", "orders", url=url)
     assert again.returncode == 0 and again.stdout.startswith("0 committed batch(es) of sink orders"), again.stderr
+    unknown = run("prune-history", "--older-than", "2h", "--sink", "nosuch", url=url)
+    assert unknown.returncode == 1 and "unknown_sink: no sink named 'nosuch'" in unknown.stderr
     young = run("prune-history", "--older-than", "30m", url=url)
     assert young.returncode == 1 and "older_than_s" in young.stderr, young.stderr
     bad = run("prune-history", "--older-than", "soon", url=url)

@@ -228,3 +228,29 @@ def test_a_commit_margin_below_the_commit_reach_fails_and_names_the_numbers(
     code, found = doctor(capsys, "--bootstrap-servers", f"127.0.0.1:{free_port()}", "--prefix", prefix(),
                          "--transaction-timeout-ms", "60000")  # the default margin clears it
     assert found[("sink unregistered", "commit_reach")]["verdict"] == "ok"
+
+
+def test_the_history_kept_against_the_retention(coordinator: Coordinator, database_url: str,
+                                                capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from coordinator.cli import doctor as doctor_module
+    from coordinator.protocol.model import PartitionResult, PrecommitRecord
+
+    coordinator.register_sink(SinkSpec("orders", prefix(), "127.0.0.1:9", ["out"]), "admin")
+    gen, _ = coordinator.start_generation("orders", "q", "r", "admin")
+    for b in range(3):
+        pre = coordinator.begin_checkpoint("orders", b, gen, "admin", partitions=2).pre_leases
+        coordinator.commit("orders", b, 1, gen, [PartitionResult(x.partition, x.id, PrecommitRecord(
+            7, 0, 5, 50, 1, [["out", 0, b]])) for x in pre], "admin")
+    _, found = doctor(capsys, "--database-url", database_url, "--sink", "orders")
+    history = found[("database", "history")]
+    assert history["verdict"] == "ok" and "for 3 committed batch(es), the oldest committed " in history["detail"]
+    assert "no retention is set" in history["detail"]
+    monkeypatch.setattr(doctor_module, "HISTORY_WARN_BYTES", 0)  # as if the history had grown past 1 GiB
+    _, found = doctor(capsys, "--database-url", database_url, "--sink", "orders")
+    assert found[("database", "history")]["verdict"] == "warn"
+    assert "COORDINATOR_HISTORY_RETENTION_HOURS" in found[("database", "history")]["fix"]
+    monkeypatch.setenv("COORDINATOR_HISTORY_RETENTION_HOURS", "720")
+    _, found = doctor(capsys, "--database-url", database_url, "--sink", "orders")
+    assert found[("database", "history")]["verdict"] == "ok"
+    assert "the recovery leader prunes batches older than 720 h" in found[("database", "history")]["detail"]

@@ -13,7 +13,9 @@ the fix when it is not ok.
   COORDINATOR_RESTART_BUDGET_MS), and its commit margin against how late a decided commit may
   reach Kafka under the settings (rules.CommitReach: I4);
 - transactional-id prefix clashes between sinks (one prefix a prefix of another's: their pooled
-  ids could collide).
+  ids could collide);
+- the history kept (its size on disk and its oldest unpruned batch) against the retention
+  (COORDINATOR_HISTORY_RETENTION_HOURS): unset with over HISTORY_WARN_BYTES kept is a warning.
 
 Nothing here changes anything. The checks are plain functions returning `Finding`s; cli.py prints them.
 """
@@ -109,6 +111,31 @@ def check_database(url: str | None) -> tuple[list[Finding], Engine | None]:
     findings.append(Finding("database", "migrations", FAIL, detail, fix))
     engine.dispose()
     return findings, None
+
+
+HISTORY_WARN_BYTES = 1 << 30  # kept history above which no retention is worth a warning
+
+
+def check_history(engine: Engine, settings: Settings) -> Finding:
+    """The batch history's size (attempts, lease rows, events: what pruning deletes) and age."""
+    with engine.connect() as conn:
+        size = int(conn.execute(text(
+            "SELECT sum(pg_total_relation_size(c.oid)) FROM pg_class AS c "
+            "WHERE c.relname IN ('attempts', 'lease_rows', 'events') AND c.relkind = 'r'")).scalar_one() or 0)
+        row = conn.execute(text(
+            "SELECT count(*) AS n, min(committed_at) AS oldest FROM checkpoints "
+            "WHERE state = 'COMMITTED' AND history_pruned_at IS NULL")).one()
+    kept = (f"{size / 2**20:,.0f} MB of history (attempts, lease rows, events) for {row.n:,} committed batch(es)"
+            + (f", the oldest committed {row.oldest:%Y-%m-%d %H:%M} UTC" if row.oldest else ""))
+    if settings.history_retention_hours:
+        return Finding("database", "history", OK, f"{kept}; the recovery leader prunes batches older than "
+                                                  f"{settings.history_retention_hours} h")
+    if size > HISTORY_WARN_BYTES:
+        return Finding("database", "history", WARN, f"{kept}, and no retention is set: it grows with every batch",
+                       "set COORDINATOR_HISTORY_RETENTION_HOURS (e.g. 720 for 30 days), or run "
+                       "`coordinator prune-history --older-than 30d` (their checkpoint rows stay)")
+    return Finding("database", "history", OK, f"{kept}; no retention is set (COORDINATOR_HISTORY_RETENTION_HOURS): "
+                                              "the whole history is kept")
 
 
 def registered_sinks(engine: Engine) -> list[SinkUnderCheck]:
@@ -241,6 +268,8 @@ def run(
     settings = settings or Settings()
     findings, engine = check_database(database_url)
     try:
+        if engine is not None:
+            findings.append(check_history(engine, settings))
         registered = registered_sinks(engine) if engine is not None else []
         if adhoc is not None:
             to_check = [adhoc]

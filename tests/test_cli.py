@@ -303,3 +303,5 @@ def test_prune_history_deletes_old_batches_history_chunk_by_chunk(service: Servi
     assert young.returncode == 1 and "older_than_s" in young.stderr, young.stderr
     bad = run("prune-history", "--older-than", "soon", url=url)
     assert bad.returncode == 2 and "not a duration like 30d" in bad.stderr
+    bad = run("prune-history", "--older-than", "2h", "--batch-size", "0", url=url)
+    assert bad.returncode == 2 and "'0' is not a whole number of batches from 1 to 5000" in bad.stderr

@@ -29,6 +29,7 @@ from .operator_commands import (
     abort_cmd,
     acknowledge_cmd,
     checkpoints_cmd,
+    chunk_size,
     commit_cmd,
     duration_s,
     operator_cmd,
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--older-than", type=duration_s, required=True,
                    help="batches committed longer ago than this: 30d, 12h, 90m (at least 1h)")
     q.add_argument("--sink", type=_arg("SinkName"), help="only this sink's batches (all sinks' by default)")
-    q.add_argument("--batch-size", type=int, default=500, help="batches per transaction (500; 1-5000)")
+    q.add_argument("--batch-size", type=chunk_size, default=500, help="batches per transaction (500; 1-5000)")
     q.add_argument("--dry-run", action="store_true", help="count what would be pruned; delete nothing")
     q = operator("acknowledge", acknowledge_cmd, "acknowledge a sink's lost data and clear its halt")
     q.add_argument("sink", type=_arg("SinkName"))

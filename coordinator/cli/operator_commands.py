@@ -180,6 +180,17 @@ def duration_s(raw: str) -> int:
     return round(value * _UNITS[unit])
 
 
+def chunk_size(raw: str) -> int:
+    """Batches per pruning transaction: 1-5000 (the API's bounds)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 5_000:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number of batches from 1 to 5000")
+    return value
+
+
 def prune_history_cmd(args: argparse.Namespace) -> tuple[Any, str]:
     """Prune chunk by chunk until nothing is left, with progress on stderr (a dry run: one count)."""
     api = _api(args)

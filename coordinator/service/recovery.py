@@ -268,7 +268,7 @@ class RecoveryLoop:
 
     def _prune(self) -> int:
         """One chunk of the retention's pruning when it is due; the next at once while there is
-        a backlog, else after PRUNE_EVERY_S (or the backoff, after a failure)."""
+        a backlog, else after PRUNE_EVERY_S (after a failure too)."""
         now = self._monotonic()
         if now < self._prune_at:
             return 0

@@ -52,6 +52,15 @@ def batch(c: Coordinator, name: str, batch_id: int, gen: int, *, partitions: int
     assert c.commit(name, batch_id, 1, gen, results, ACTOR).checkpoint.state is CheckpointState.COMMITTED
 
 
+def old_batches(c: Coordinator, clock: ManualClock, n: int, *, speculative: int | None = None) -> int:
+    """Sink "orders" with batches 0..n-1 committed three hours ago; returns its generation."""
+    gen = start(c, "orders")
+    for b in range(n):
+        batch(c, "orders", b, gen, speculative=b == speculative)
+    clock.advance(seconds=3 * 3600)
+    return gen
+
+
 def rows(c: Coordinator, table: Any, *where: Any) -> list[Any]:
     with c.engine.connect() as conn:
         return conn.execute(select(table).where(*where)).all()
@@ -160,10 +169,7 @@ def test_history_younger_than_an_hour_is_never_pruned(coordinator: Coordinator) 
 def test_the_recovery_loop_prunes_with_a_retention_set_a_chunk_per_iteration_while_there_is_a_backlog(
         coordinator: Coordinator, clock: ManualClock, monkeypatch: pytest.MonkeyPatch) -> None:
     c = coordinator
-    gen = start(c, "orders")
-    for b in range(4):
-        batch(c, "orders", b, gen)
-    clock.advance(seconds=3 * 3600)
+    gen = old_batches(c, clock, 4)
     monkeypatch.setattr(recovery, "PRUNE_CHUNK", 2)
     ticks = [0.0]
     kept = RecoveryLoop(c, interval_ms=50, leader_ttl_ms=10_000, holder="replica-a", monotonic=lambda: ticks[0])
@@ -185,10 +191,7 @@ def test_the_recovery_loop_prunes_with_a_retention_set_a_chunk_per_iteration_whi
 def test_a_replay_that_meets_a_prune_in_flight_waits_for_it_and_a_new_batch_does_not(
         coordinator: Coordinator, clock: ManualClock, monkeypatch: pytest.MonkeyPatch) -> None:
     c = coordinator
-    gen = start(c, "orders")
-    for b in range(3):
-        batch(c, "orders", b, gen)
-    clock.advance(seconds=3 * 3600)
+    gen = old_batches(c, clock, 3)
     inside, release = threading.Event(), threading.Event()
     real_add_event = repo.add_event
 
@@ -217,10 +220,7 @@ def test_a_batch_an_id_still_names_is_kept(coordinator: Coordinator, clock: Manu
     """The safety net behind the unresolved-lease checks: while the pool says an id is held by one
     of a batch's leases (a first try on its attempt row, or a lease row), the batch is kept."""
     c = coordinator
-    gen = start(c, "orders")
-    for b in range(3):
-        batch(c, "orders", b, gen, speculative=b == 1)  # batch 1's copy is a lease row
-    clock.advance(seconds=3 * 3600)
+    old_batches(c, clock, 3, speculative=1)  # batch 1's copy is a lease row
     first_try = next(x.id for x in c.checkpoint_detail("orders", 0).leases)
     lease_row = next(x.id for x in c.checkpoint_detail("orders", 1).leases if x.task_attempt_id == 77)
     with c.engine.begin() as conn:

@@ -88,8 +88,9 @@ class LostDataAcknowledgement(Request):
 
 
 class HistoryPrune(Request):
-    older_than_s: int = Field(ge=3600, le=100 * 365 * 86_400, description=(
-        "prune the history of batches committed more than this many seconds ago (at least an hour)"))
+    older_than_s: int = Field(ge=0, le=100 * 365 * 86_400, description=(
+        "prune the history of batches committed more than this many seconds ago (at least an hour: "
+        "younger history is refused, 422 invalid_prune)"))
     sink: SinkName | None = Field(None, description="only this sink's batches (a retired sink's too); every sink's by default")
     limit: int = Field(500, ge=1, le=5_000, description="batches per call, in one transaction: call again while `more`")
     dry_run: bool = Field(False, description="count the batches a prune would take now; delete nothing")

@@ -55,6 +55,7 @@ def test_reachable_broker_and_current_database(real_kafka: RealKafka, database_u
     assert verdicts(found) == {
         ("database", "database"): "ok",
         ("database", "migrations"): "ok",
+        ("database", "history"): "ok",
         ("sink orders", "coordinator_timeouts"): "ok",
         ("sink orders", "commit_reach"): "ok",
         ("sink orders", "bootstrap"): "ok",

@@ -559,20 +559,12 @@ def test_checker_catches_pruning_that_deletes_the_checkpoint_rows_too(
 
     import coordinator.service.history as history
 
-    monkeypatch.setattr(history, "_DELETE", text("""
-WITH ev AS (DELETE FROM events WHERE checkpoint_id = ANY(:ids) RETURNING 1),
-     lr AS (DELETE FROM lease_rows WHERE checkpoint_id = ANY(:ids) RETURNING 1),
-     at AS (DELETE FROM attempts WHERE checkpoint_id = ANY(:ids) RETURNING 1)
-SELECT 0 AS checkpoints, (SELECT count(*) FROM at) AS attempts, (SELECT count(*) FROM lr) AS lease_rows,
-       (SELECT count(*) FROM ev) AS events, CAST(:now AS timestamptz) AS now
-"""))
     real_prune = history.HistoryOperations.prune_history
 
     def prune_and_delete_rows(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         outcome = real_prune(self, *args, **kwargs)
         with self.engine.begin() as conn:  # the rows whose history is gone go as well
-            conn.execute(text("DELETE FROM checkpoints c WHERE NOT EXISTS (SELECT 1 FROM attempts a "
-                              "WHERE a.checkpoint_id = c.id) AND c.state = 'COMMITTED'"))
+            conn.execute(text("DELETE FROM checkpoints WHERE history_pruned_at IS NOT NULL"))
         return outcome
 
     monkeypatch.setattr(history.HistoryOperations, "prune_history", prune_and_delete_rows)

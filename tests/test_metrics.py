@@ -219,7 +219,7 @@ def test_dashboard_uses_only_metrics_the_service_exports(service: ServiceProcess
                      "coordinator_fenced_requests_total", "coordinator_lingering_transactions_found_total",
                      "coordinator_lingering_transactions_aborted_total", "coordinator_partition_lso_lag_records",
                      "coordinator_recovery_iterations_total", "coordinator_recovery_errors_total",
-                     "coordinator_http_request_duration_seconds_bucket"):
+                     "coordinator_http_request_duration_seconds_bucket", "coordinator_history_pruned_batches_total"):
         assert required in used, f"no dashboard panel queries {required}"
     # gauges that only the recovery leader keeps current (other replicas, and a former leader, keep
     # the last value they set): the panels read the leader's, not the max over replicas

@@ -218,6 +218,11 @@ def test_abort_of_an_id_nobody_used_is_harmless(broker: RealKafka, plane: KafkaW
     name = tid("never-used")
     plane.abort(target(broker.bootstrap), name)  # initialises it; nothing to abort
     plane.abort(target(broker.bootstrap), name)
+    # and the id serves its next producer as any other: its transaction commits, its records visible
+    topic = broker.create_topic(1)
+    stats = run_transactional_producer(broker.bootstrap, name, topic)
+    plane.commit(target(broker.bootstrap), prepared(stats))
+    assert visible(broker, topic) == [b"record-0", b"record-1", b"record-2"]
 
 
 # --- (d) every refusal Kafka sends ---------------------------------------------------------------

@@ -19,7 +19,12 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from fixtures.kafka_producers import partition_log, run_transactional_producer, run_transactional_producers
+from fixtures.kafka_producers import (
+    partition_log,
+    run_transactional_producer,
+    run_transactional_producers,
+    settled_partition_log,
+)
 from fixtures.real_kafka import SCRAM_PASSWORD, SCRAM_USER, RealKafka
 from sqlalchemy import Engine
 
@@ -286,7 +291,7 @@ def test_the_sweep_aborts_an_open_transaction_the_database_does_not_explain(
 
         assert [t.transactional_id for t in out.found] == [stranger.transactional_id]
         assert out.aborted == [stranger.transactional_id] and not out.failed
-        log = partition_log(real_kafka.bootstrap, topic, 0)
+        log = settled_partition_log(real_kafka.bootstrap, topic, 0)
         assert log.markers(stranger.producer_id) == ["abort"] and log.last_stable_offset == log.high_watermark
         assert real_kafka.read_committed(topic) == []
         assert c.sweep_lingering("orders").found == []  # nothing open any more

@@ -13,7 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.kafka_producers import partition_log, run_transactional_producer
+from fixtures.kafka_producers import (
+    partition_log,
+    run_transactional_producer,
+    settled_partition_log,
+)
 from fixtures.real_kafka import RealKafka
 from fixtures.servers import REPO_ROOT, ServiceProcess, clean_env, scripted_http
 
@@ -229,7 +233,7 @@ def test_kafka_commit_transaction_by_producer_id_and_epoch(real_kafka: RealKafka
     out = run(*base, "--force", "--yes")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"committed: transaction '{stats.transactional_id}'")
-    after = partition_log(real_kafka.bootstrap, topic, 0)
+    after = settled_partition_log(real_kafka.bootstrap, topic, 0)
     assert after.markers(stats.producer_id) == ["commit"] and not after.has_open_transaction
     assert [m.value() for m in real_kafka.read_committed(topic)] == [b"record-%d" % i for i in range(4)]
 
@@ -240,7 +244,7 @@ def test_kafka_abort_transaction_by_transactional_id(real_kafka: RealKafka) -> N
     out = run("kafka", "abort-transaction", "--bootstrap-servers", real_kafka.bootstrap,
               "--transactional-id", stats.transactional_id, "--yes")
     assert out.returncode == 0, out.stderr
-    after = partition_log(real_kafka.bootstrap, topic, 0)
+    after = settled_partition_log(real_kafka.bootstrap, topic, 0)
     assert after.markers(stats.producer_id) == ["abort"] and not after.has_open_transaction
     assert real_kafka.read_committed(topic) == []
 

@@ -33,6 +33,7 @@ from fixtures.kafka_producers import (
     partition_log,
     run_transactional_producer,
     run_transactional_producers,
+    settled_partition_log,
 )
 from fixtures.kafka_proxy import API_END_TXN, API_FIND_COORDINATOR, API_INIT_PRODUCER_ID
 from fixtures.real_kafka import RealKafka
@@ -76,7 +77,7 @@ def is_open(bootstrap: str, topic: str, partition: int) -> bool:
 
 
 def markers(bootstrap: str, topic: str, partition: int, producer_id: int) -> list[str]:
-    return partition_log(bootstrap, topic, partition).markers(producer_id)
+    return settled_partition_log(bootstrap, topic, partition).markers(producer_id)
 
 
 def visible(broker: RealKafka, topic: str) -> list[bytes]:
@@ -125,7 +126,7 @@ def test_resume_commit_from_another_process(broker: RealKafka, plane: KafkaWireC
     plane.commit(target(broker.bootstrap), prepared(stats))
 
     assert visible(broker, topic) == [b"record-%d" % i for i in range(5)]
-    after = partition_log(broker.bootstrap, topic, 0)
+    after = settled_partition_log(broker.bootstrap, topic, 0)
     assert after.markers(stats.producer_id) == ["commit"]
     assert after.last_stable_offset == after.high_watermark
 
@@ -543,7 +544,7 @@ def test_coordinator_commits_on_the_broker_and_aborts_a_superseded_attempt(
     assert all(w.state is LeaseState.COMMITTED for w in result.winners)
     assert proxy.requests[API_END_TXN] == 2 and proxy.injected[API_END_TXN] == 0  # both accepted first time
     for lease, st in zip(leases, stats, strict=True):
-        log = partition_log(broker.bootstrap, topic, lease.partition)
+        log = settled_partition_log(broker.bootstrap, topic, lease.partition)
         ended = log.markers(st.producer_id)  # the pool may have handed out the fenced id again
         assert ended[-1:] == ["commit"] and ended.count("commit") == 1, log.batches
         assert not log.has_open_transaction

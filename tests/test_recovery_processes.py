@@ -33,7 +33,7 @@ from coordinator.protocol.states import CheckpointState
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.store import repo
 from coordinator.store.tables import checkpoints
-from fixtures.kafka_producers import partition_log, run_transactional_producers
+from fixtures.kafka_producers import partition_log, run_transactional_producers, settled_partition_log
 from fixtures.kafka_proxy import API_END_TXN
 from fixtures.real_kafka import RealKafka
 from fixtures.servers import ServiceProcess, start_services
@@ -155,7 +155,7 @@ def test_sigkill_after_the_decision_and_the_recovery_loop_finishes_the_commit(
     took = time.monotonic() - started
 
     for p, st in zip((0, 1), stats, strict=True):
-        log = partition_log(broker.bootstrap, topic, p)
+        log = settled_partition_log(broker.bootstrap, topic, p)
         assert log.markers(st.producer_id) == ["commit"], log.batches
         assert not log.has_open_transaction
     assert proxy.requests[API_END_TXN] >= 2 and proxy.injected[API_END_TXN] == 0

@@ -14,7 +14,13 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from fixtures.kafka_producers import ProducerProcess, fenced, partition_log, run_transactional_producer
+from fixtures.kafka_producers import (
+    ProducerProcess,
+    fenced,
+    partition_log,
+    run_transactional_producer,
+    settled_partition_log,
+)
 from fixtures.real_kafka import RealKafka
 from sqlalchemy import Engine, select
 
@@ -225,7 +231,7 @@ def test_model_and_real_kafka_agree_on_fencing_epochs_retries_timeouts_and_visib
         plane.commit(tg, PreparedTransaction(name, real.producer_id, real.producer_epoch))  # retried: accepted
         mplane.commit(tg, PreparedTransaction(name, mpid, mepoch))
         mplane.commit(tg, PreparedTransaction(name, mpid, mepoch))
-        assert partition_log(broker.bootstrap, topic, 0).markers(real.producer_id) == ["commit"]
+        assert settled_partition_log(broker.bootstrap, topic, 0).markers(real.producer_id) == ["commit"]
         assert [x.marker for x in m.logs[(topic, 0)] if x.marker] == ["COMMIT"]
         assert both_visible() == (["record-0", "record-1"], ["record-0", "record-1"])
 
@@ -250,7 +256,7 @@ def test_model_and_real_kafka_agree_on_fencing_epochs_retries_timeouts_and_visib
         third = run_transactional_producer(broker.bootstrap, name, topic, records=1)
         mpid3, mepoch3 = m.init_producer_id(name, 60_000)
         assert third.producer_epoch - again.producer_epoch == mepoch3 - mepoch2 == 2
-        assert partition_log(broker.bootstrap, topic, 0).markers(real.producer_id) == ["commit", "abort"]
+        assert settled_partition_log(broker.bootstrap, topic, 0).markers(real.producer_id) == ["commit", "abort"]
         plane.abort(tg, name)
         mplane.abort(tg, name)
         assert both_visible() == (["record-0", "record-1"], ["record-0", "record-1"])
@@ -269,7 +275,7 @@ def test_model_and_real_kafka_agree_on_fencing_epochs_retries_timeouts_and_visib
             with pytest.raises(KafkaError) as exc:
                 m.produce(fenced_name, fpid, fepoch, topic, 0, "late")
             assert exc.value.code == "producer_fenced"
-            assert partition_log(broker.bootstrap, topic, 0).markers(live.stats.producer_id) == ["abort"]  # type: ignore[union-attr]
+            assert settled_partition_log(broker.bootstrap, topic, 0).markers(live.stats.producer_id) == ["abort"]  # type: ignore[union-attr]
             assert [x.marker for x in m.logs[(topic, 0)] if x.marker and x.producer_id == fpid] == ["ABORT"]
         finally:
             live.close()

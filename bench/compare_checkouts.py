@@ -35,6 +35,9 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
+# first offsets per task record: the writer's FIRST_OFFSETS_REPORTED (sparkclient/executor.py), written
+# out because a base checkout may predate it
+FIRST_OFFSETS = 4
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -61,7 +64,7 @@ def _worker(args: argparse.Namespace) -> None:
             while not stop[0]:
                 begun = c.begin_checkpoint(name, batch, generations[name], "compare", partitions=partitions)
                 results = [PartitionResult(x.partition, x.id, PrecommitRecord(
-                    1000 + x.partition, 0, 10, 500, 3, [["out", k, 10 * batch] for k in range(8)]))
+                    1000 + x.partition, 0, 10, 500, 3, [["out", k, 10 * batch] for k in range(FIRST_OFFSETS)]))
                     for x in begun.pre_leases]
                 answer = c.commit(name, batch, begun.attempt.number, generations[name], results, "compare")
                 if answer.checkpoint.state != "COMMITTED":

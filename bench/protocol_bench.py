@@ -4,7 +4,7 @@
 One batch (checkpoint cycle) = begin with the partition count (it pre-leases each partition's first
 try), then the executors' work (each in its own thread, all at once; first tries make no call),
 then commit naming every winner with its pre-commit record (as the writer's executor reports it:
-figures, and a first offset per topic-partition written, --topic-partitions): 2 calls per batch.
+figures, and the first offsets of a few topic-partitions written, --topic-partitions): 2 calls per batch.
 (Against a server of the per-call protocol it falls back to one lease + one pre-commit per
 partition.) Many simulated drivers run batches back to back, one sink each (a query runs one
 micro-batch at a time per sink). Modes:
@@ -177,7 +177,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=2, help="uvicorn worker processes in http mode (default 2)")
     ap.add_argument("--topic-partitions", type=int, default=8,
                     help="topic-partitions each task's transaction writes: its record carries a first offset for "
-                         "each, as the writer's executor reports them (default 8; 0: none)")
+                         "the lowest few, as the writer's executor reports them (FIRST_OFFSETS_REPORTED; default 8; 0: none)")
     ap.add_argument("--pool-size", type=int, default=20,
                     help="SQLAlchemy pool_size per engine, as COORDINATOR_DB_POOL_SIZE (default 20)")
     ap.add_argument("--server-log-level", default="info", choices=("debug", "info", "warning", "error"),

@@ -22,6 +22,8 @@ from measure import (
 )
 from protocol_clients import HttpSink, InprocessSink, Record, Rejected
 
+from sparkclient.executor import FIRST_OFFSETS_REPORTED
+
 CALLS = ("begin", "lease", "precommit", "commit", "cycle")
 
 
@@ -61,8 +63,8 @@ def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPo
     with `pace` (interval, offset in seconds) each starting on a schedule of one per interval from
     the start plus offset. A driver behind its schedule starts its next cycle at once, until it has
     caught up: the load asked of the service does not shrink when the service slows down (the
-    calls' latencies would then hide the queueing). Each task's record names `topic_partitions`
-    first offsets."""
+    calls' latencies would then hide the queueing). Each task's transaction writes `topic_partitions`
+    topic-partitions."""
     clock = time.monotonic
     batch_id = 0
     task_attempt_id = driver_no * 10**12
@@ -79,8 +81,10 @@ def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPo
         return partition, lease_id
 
     def task_record(partition: int) -> Record:
-        """What the writer's task returns: its transaction wrote to every partition of the topic."""
-        offsets = [["bench", k, 10 * batch_id] for k in range(topic_partitions)] if topic_partitions else None
+        """What the writer's task returns: its transaction wrote to every partition of the topic, and
+        its record names the first offset of as many of them as the executor reports."""
+        offsets = [["bench", k, 10 * batch_id] for k in range(min(topic_partitions, FIRST_OFFSETS_REPORTED))] \
+            if topic_partitions else None
         return Record(1000 + partition, 10, 5, offsets)
 
     def cycle() -> tuple[float, float]:

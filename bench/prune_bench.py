@@ -7,7 +7,7 @@ python bench/prune_bench.py --partitions 2 --batches 5000
 ```
 
 On a throwaway Postgres, in process: N committed batches of P partitions (each task's record
-with 8 first offsets, as protocol_bench's load sends), their commit times moved two hours back,
+with the first offsets the writer reports, FIRST_OFFSETS_REPORTED), their commit times moved two hours back,
 then pruned in chunks of `--chunk` batches through `Coordinator.prune_history`; then N more batches
 on the freed space, and every batch but the newest pruned. Printed: the tables' size per batch (`pg_total_relation_size`: heap, indexes
 and TOAST) before, after pruning and VACUUM (the files keep their size; the space is free inside
@@ -63,11 +63,13 @@ def per_batch(a: dict[str, int], b: dict[str, int], n: int) -> dict[str, int]:
 
 def run_batches(c: Any, name: str, gen: int, first: int, n: int, partitions: int) -> None:
     from coordinator.protocol.model import PartitionResult, PrecommitRecord
+    from sparkclient.executor import FIRST_OFFSETS_REPORTED  # a task's record as the writer sends it
 
     for b in range(first, first + n):
         pre = c.begin_checkpoint(name, b, gen, "bench", partitions=partitions).pre_leases
         results = [PartitionResult(x.partition, x.id, PrecommitRecord(
-            1000 + x.partition, 0, 10, 1000, 5, [["bench", k, 10 * b] for k in range(8)])) for x in pre]
+            1000 + x.partition, 0, 10, 1000, 5, [["bench", k, 10 * b] for k in range(FIRST_OFFSETS_REPORTED)]))
+            for x in pre]
         c.commit(name, b, 1, gen, results, "bench")
         if (b - first + 1) % max(1, n // 5) == 0:
             log(f"  {b - first + 1} of {n} batches")

@@ -12,7 +12,8 @@ lost a record is never committed), read producer id and epoch from librdkafka's 
 transaction is not already inside the commit margin of its deadline, and release the producer
 WITHOUT ending the transaction (not `close()`, which aborts it). The task makes no pre-commit
 call: its result carries the pre-commit record (lease, producer id, epoch, counts, first offset
-written per topic-partition) to the driver, which sends the accepted ones with the commit.
+written in a few of its topic-partitions) to the driver, which sends the accepted ones with the
+commit.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from itertools import chain
 from typing import Any
 
 from .client import CoordinatorClient
+
+# The record names the first offset written in the FIRST_OFFSETS_REPORTED lowest topic-partitions
+# (topic, then partition) its transaction wrote, not in all: the coordinator keeps as many
+# (coordinator/protocol/model.py, FIRST_OFFSETS_KEPT), since one conclusive read of the log tells
+# whether a transaction committed. A task that wrote every partition of a 200-partition topic
+# would otherwise add 200 to the driver's commit, 40,000 for 200 tasks.
+FIRST_OFFSETS_REPORTED = 4
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +136,7 @@ class TaskResult:
     transactional_id: str | None = None
     producer_id: int | None = None
     producer_epoch: int | None = None
-    first_offsets: list[list[Any]] | None = None  # [[topic, partition, first offset written], ...]
+    first_offsets: list[list[Any]] | None = None  # [[topic, partition, first offset written], ...], a few
 
     def precommit_record(self) -> dict[str, Any]:
         """What the commit carries for this winner."""
@@ -255,7 +263,7 @@ def _write_transaction(spec: TaskSpec, partition: int, task_attempt_id: int, lea
     # the last reference instead (the handle's dealloc destroys librdkafka's instance and its threads
     # without ending the transaction).
     del producer
-    first_offsets = [[t, p, o] for (t, p), o in sorted(failures["first_offsets"].items())]
+    first_offsets = [[t, p, o] for (t, p), o in sorted(failures["first_offsets"].items())[:FIRST_OFFSETS_REPORTED]]
     return TaskResult(partition, lease["lease_id"], task_attempt_id, records, size, write_ms, lease["transactional_id"],
                       producer_id, producer_epoch, first_offsets)
 

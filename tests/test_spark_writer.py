@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from fixtures.real_kafka import RealKafka
 from fixtures.servers import ServiceProcess
 from fixtures.spark_support import (
@@ -36,6 +35,7 @@ from fixtures.spark_support import (
     spark_session,
     write_input_files,
 )
+
 from sparkclient import (
     BatchReport,
     CoordinatorClient,
@@ -292,7 +292,8 @@ def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for
     import gc
     import os
 
-    from fixtures.kafka_producers import partition_log
+    from fixtures.kafka_producers import partition_log, settled_partition_log
+
     from sparkclient.executor import TaskSpec, write_partition
 
     topic = real_kafka.create_topic(1)
@@ -328,11 +329,50 @@ def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for
             assert [x[:2] for x in result.first_offsets] == [[topic, 0]] and result.producer_id is not None
             answer = c.commit(batch, attempt, gen, {0: result.lease_id}, records={0: result.precommit_record()})
             assert answer["state"] == "COMMITTED" and answer["committed"][0]["records"] == 50
-            log = partition_log(real_kafka.bootstrap, topic, 0)
+            log = settled_partition_log(real_kafka.bootstrap, topic, 0)
             assert not log.has_open_transaction
             assert log.markers(answer["committed"][0]["producer_id"])[-1] == "commit"
         (empty,) = list(write_partition(spec, 4, []))  # an empty partition: no lease, no producer
         assert empty.lease_id is None and native_threads() == before
+
+
+def test_a_task_reports_the_first_offsets_of_its_lowest_topic_partitions_only(
+    service: ServiceProcess, real_kafka: RealKafka
+) -> None:
+    """A transaction that wrote six partitions: its record names the first offset it wrote in the
+    lowest FIRST_OFFSETS_REPORTED of them (the commit stays small however wide the topic), each the
+    offset of the transaction's first record there, and the commit carrying it succeeds."""
+    from confluent_kafka import Producer
+    from fixtures.kafka_producers import settled_partition_log
+
+    from coordinator.protocol.model import FIRST_OFFSETS_KEPT
+    from sparkclient.executor import FIRST_OFFSETS_REPORTED, TaskSpec, write_partition
+
+    assert FIRST_OFFSETS_REPORTED == FIRST_OFFSETS_KEPT == 4
+    topic = real_kafka.create_topic(6)
+    plain = Producer({"bootstrap.servers": real_kafka.bootstrap})
+    for p in (1, 3):  # two records before the transaction's in partitions 1 and 3
+        for i in range(2):
+            plain.produce(topic, f"before-{i}".encode(), partition=p)
+    assert plain.flush(30) == 0
+    token = register(service, "wide", real_kafka.bootstrap, topic)
+    with CoordinatorClient(service.url, token, "wide") as c:
+        gen = c.start_generation("query-wide", "run-1")["generation"]
+        begun = c.begin(0, gen, partitions=1)
+        attempt, (pre_lease,) = begun["attempt"], begun["pre_leases"]
+        spec = TaskSpec(service.url, token, "wide", 30_000, 60_000, 0, attempt, gen, real_kafka.bootstrap,
+                        {"linger.ms": 5}, topic, ("key", "value", "partition"), True, pre_leases={0: pre_lease},
+                        leases_received_at=time.time(), commit_margin_ms=begun["commit_margin_ms"],
+                        max_lease_init_age_ms=begun["max_lease_init_age_ms"])
+        rows = [(f"k{p}-{i}", f"v{p}-{i}", p) for p in (5, 4, 3, 2, 1, 0) for i in range(3)]
+        (result,) = list(write_partition(spec, 0, rows))
+        assert result.records == 18
+        assert result.first_offsets == [[topic, 0, 0], [topic, 1, 2], [topic, 2, 0], [topic, 3, 2]]
+        answer = c.commit(0, attempt, gen, {0: result.lease_id}, records={0: result.precommit_record()})
+        assert answer["state"] == "COMMITTED"
+    for p in range(6):  # every partition's records committed, not only the reported ones'
+        log = settled_partition_log(real_kafka.bootstrap, topic, p)
+        assert not log.has_open_transaction and log.markers(result.producer_id) == ["commit"], p
 
 
 def test_every_kafka_sink_column_is_written_as_spark_gives_it(
@@ -407,7 +447,11 @@ def test_a_sink_with_a_transaction_timeout_below_the_producer_request_timeout_wr
     broken variant (the request timeout passed as is) runs into."""
     from confluent_kafka import KafkaException, Producer
 
-    from sparkclient.executor import TaskSpec, producer_socket_timeout_ms, write_partition
+    from sparkclient.executor import (
+        TaskSpec,
+        producer_socket_timeout_ms,
+        write_partition,
+    )
 
     topic = real_kafka.create_topic(1)
     token = register(service, "short-timeout", real_kafka.bootstrap, topic, transaction_timeout_ms=40_000)

@@ -23,11 +23,12 @@ from coordinator.service.clock import ManualClock
 from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane, TransactionOutcome
 from coordinator.protocol import errors as e
 from coordinator.protocol.invariants import check_invariants
-from coordinator.protocol.model import FIRST_TRY_TASK_ATTEMPT, PartitionResult, PrecommitRecord
+from coordinator.protocol.model import FIRST_OFFSETS_KEPT, FIRST_TRY_TASK_ATTEMPT, PartitionResult, PrecommitRecord
 from coordinator.protocol.rules import BeginAction
 from coordinator.protocol.states import CheckpointState, LeaseState, TransactionalIdState
 from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.store import driver_sql, hot_path
+from coordinator.store.db import make_engine
 from coordinator.store.tables import transactional_ids
 from fixtures.servers import ServiceProcess
 from sim.kafka_model import KafkaModel, ModelControlPlane
@@ -383,7 +384,7 @@ def test_a_batch_costs_two_calls_and_a_retried_task_one_more(database_url: str, 
         client._http.event_hooks["request"] = [lambda r: calls.append(r.url.path)]
         gen = client.start_generation("q1", "r1")["generation"]
 
-        def batch(batch_id: int, retried: bool) -> dict[str, Any]:
+        def batch(batch_id: int, retried: bool, topic_partitions: int = 1) -> dict[str, Any]:
             calls.clear()
             begun = client.begin(batch_id, gen, partitions=2, offsets=f"sha256:{batch_id:04x}")
             pre = {x["partition"]: x for x in begun["pre_leases"]}
@@ -392,7 +393,7 @@ def test_a_batch_costs_two_calls_and_a_retried_task_one_more(database_url: str, 
             if retried:  # partition 1's first try failed: its retry leases its own id
                 winners[1] = client.lease(batch_id, begun["attempt"], gen, 1, 900 + batch_id)["lease_id"]
             records = {p: {"producer_id": 10 + p, "producer_epoch": 0, "records": 3, "bytes": 30, "write_ms": 1,
-                           "first_offsets": [["out", p, 100]]} for p in winners}
+                           "first_offsets": [["out", k, 100 + p] for k in range(topic_partitions)]} for p in winners}
             return client.commit(batch_id, begun["attempt"], gen, winners, 5, records=records)
 
         answer = batch(0, retried=False)
@@ -400,5 +401,17 @@ def test_a_batch_costs_two_calls_and_a_retried_task_one_more(database_url: str, 
         assert len(calls) == 2, calls  # begin + commit, whatever the partitions did
         assert batch(1, retried=True)["state"] == "COMMITTED"
         assert len(calls) == 3, calls
+        # an older writer reporting every topic-partition its transaction wrote: the coordinator keeps
+        # the first FIRST_OFFSETS_KEPT as sent, for a first try on the attempt's row and a retry's lease
+        assert batch(2, retried=True, topic_partitions=10)["state"] == "COMMITTED"
+        engine = make_engine(database_url)
+        with engine.connect() as conn:
+            stored = conn.execute(text(
+                "SELECT l.partition, l.task_attempt_id, l.first_offsets FROM leases AS l "
+                "JOIN checkpoints AS c ON c.id = l.checkpoint_id WHERE c.batch_id = 2 AND l.state = 'COMMITTED' "
+                "ORDER BY l.partition")).all()
+        engine.dispose()
+        assert [(p, t == FIRST_TRY_TASK_ATTEMPT, json.loads(f)) for p, t, f in stored] == [
+            (p, p == 0, [["out", k, 100 + p] for k in range(FIRST_OFFSETS_KEPT)]) for p in (0, 1)]
         client.close()
         admin.close()

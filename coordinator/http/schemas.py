@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from typing_extensions import NotRequired, TypedDict
 
 from ..protocol.model import (
+    FIRST_OFFSETS_KEPT,
     Attempt,
     Checkpoint,
     Lease,
@@ -144,7 +145,9 @@ class PartitionResultBody(TypedDict):
     bytes: NotRequired[Count | None]
     write_ms: NotRequired[Millis | None]
     first_offsets: NotRequired[Annotated[list[TopicPartitionOffset] | None, Field(max_length=100_000, description=(
-        "[topic, partition, offset]: the first offset the transaction wrote in each topic-partition"))]]
+        "[topic, partition, offset]: the first offset the transaction wrote in a topic-partition, for "
+        f"at most {FIRST_OFFSETS_KEPT} of them (the coordinator keeps the first {FIRST_OFFSETS_KEPT} as sent: "
+        "one conclusive read of the log tells whether the transaction committed)"))]]
 
 
 _RECORD_FIELDS = ("producer_id", "producer_epoch", "records", "bytes")
@@ -172,11 +175,13 @@ class CommitRequest(Request):
 
     def results(self) -> list[PartitionResult]:
         result, record = PartitionResult.from_every_field, PrecommitRecord.from_every_field
-        # (topic, partition, offset) tuples as validated: stored as JSON, where a tuple is an array
+        # (topic, partition, offset) tuples as validated: stored as JSON, where a tuple is an array;
+        # an older writer's longer list is cut to the first FIRST_OFFSETS_KEPT
         return [
             result(partition=p["partition"], lease_id=p["lease_id"], precommit=None if p.get("producer_id") is None
                    else record(producer_id=p["producer_id"], producer_epoch=p["producer_epoch"], records=p["records"],
-                               bytes=p["bytes"], write_ms=p.get("write_ms"), first_offsets=p.get("first_offsets")))
+                               bytes=p["bytes"], write_ms=p.get("write_ms"),
+                               first_offsets=(first := p.get("first_offsets")) and first[:FIRST_OFFSETS_KEPT]))
             for p in self.partitions
         ]
 

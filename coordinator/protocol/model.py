@@ -229,6 +229,14 @@ class Alert:
     at: datetime
 
 
+# How many first offsets a pre-commit record keeps. A transaction commits or aborts in all its
+# partitions at once, so the outcome check (kafka/outcome.py) needs one conclusive read; a few more
+# cover a partition whose leader is down or whose records retention already deleted. A task that
+# wrote every partition of a 200-partition topic would otherwise report 200, and a 200-task
+# commit carry 40,000 (~1.2 MB of JSON to parse and store per batch).
+FIRST_OFFSETS_KEPT = 4
+
+
 @dataclass(frozen=True)
 class PrecommitRecord(_Record):
     """What a task attempt reports about its flushed transaction (in its Spark task result, which
@@ -239,7 +247,8 @@ class PrecommitRecord(_Record):
     records: int
     bytes: int
     write_ms: int | None = None  # a figure for operators, not part of the transaction's identity
-    first_offsets: Sequence[Sequence[Any]] | None = None  # [[topic, partition, offset], ...]: where to look in the log
+    # [[topic, partition, offset], ...]: where to look in the log, at most FIRST_OFFSETS_KEPT
+    first_offsets: Sequence[Sequence[Any]] | None = None
 
     def identity(self) -> tuple[int, int, int, int]:
         return (self.producer_id, self.producer_epoch, self.records, self.bytes)

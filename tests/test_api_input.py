@@ -18,6 +18,7 @@ import pytest
 from fixtures.postgres import migrated_database
 from fixtures.servers import ServiceProcess
 
+from coordinator.http.input import MAX_BODY_BYTES
 from coordinator.http.schemas import CommitRequest
 from coordinator.protocol.model import PartitionResult, PrecommitRecord
 
@@ -280,6 +281,36 @@ def test_every_body_error_has_its_own_reason_in_the_one_format(world: World) -> 
 
 
 # --- statuses --------------------------------------------------------------------------------
+
+
+def test_the_body_limit_grows_with_the_widest_attempt_so_its_commit_fits(
+    postgres_server_url: str, template_url: str, tmp_path: Path
+) -> None:
+    """A service taking attempts of up to 20,000 partitions takes a commit body past the default
+    8 MiB limit: 13,000 winners with their records, each with four first offsets of a 100-character
+    topic name (~9 MB), commit. (At the default 4,096 partitions a 9 MiB body is 413: above.)"""
+    topic = "t" * 100
+    with migrated_database(postgres_server_url, "wide") as url, ServiceProcess(
+        url, ADMIN, tmp_path, env={"COORDINATOR_RECOVERY_ENABLED": "false", "COORDINATOR_MAX_PARTITIONS": "20000"}
+    ) as svc:
+        admin = svc.client(ADMIN)
+        writer = admin.with_token(admin.register_sink(SINK, "orders-tx", expect=201)["writer_token"])
+        gen = writer.start_generation(SINK, "query-1", "run-1")["generation"]
+        with httpx.Client(base_url=svc.url, timeout=300,
+                          headers={"Authorization": f"Bearer {writer.token}"}) as http:
+            begun = http.post(f"/v1/sinks/{SINK}/checkpoints/0/begin", json={"generation": gen, "partitions": 13_000})
+            assert begun.status_code == 200, begun.text[:500]
+            body = json.dumps({"generation": gen, "partitions": [
+                {"partition": x["partition"], "lease_id": x["lease_id"], "producer_id": 10**6 + x["partition"],
+                 "producer_epoch": 7, "records": 1000, "bytes": 10**6, "write_ms": 1000,
+                 "first_offsets": [[topic, k, 10**9 + k] for k in range(4)]}
+                for x in begun.json()["pre_leases"]]}).encode()
+            assert len(body) > MAX_BODY_BYTES
+            answer = http.post(f"/v1/sinks/{SINK}/checkpoints/0/attempts/{begun.json()['attempt']}/commit",
+                               content=body, headers={"Content-Type": "application/json"})
+            assert answer.status_code == 200, answer.text[:500]
+            assert answer.json()["state"] == "COMMITTED" and len(answer.json()["committed"]) == 13_000
+        admin.close()
 
 
 def test_the_depth_check_reads_the_nesting_of_any_json_document_from_its_bytes() -> None:

@@ -34,6 +34,7 @@ from .input import (
     LeaseId,
     PageSize,
     SinkName,
+    body_limit,
     error_responses,
     install_error_handlers,
 )
@@ -154,6 +155,7 @@ def create_app(
     app.router.route_class = InputRoute
     mount_docs(app)  # /docs and /redoc from the package's assets, not a CDN
     app.state.coordinator = coordinator
+    app.state.body_limit = body_limit(coordinator.limits.max_partitions)  # the widest commit fits
     database_metrics = metrics.database_registry(coordinator.engine)
     cache = _SinkTokenCache(token_secret)
 

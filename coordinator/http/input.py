@@ -4,7 +4,7 @@ forms and the CLI reuse):
 - bounded types: every integer within what its column holds and what makes sense, every string
   free of NUL and lone surrogates (Postgres refuses both; a lone surrogate cannot even be encoded);
 - `InputRoute`: the route class of the API. Before a handler runs it refuses a path or query
-  string that is not UTF-8 once percent-decoded, a body over MAX_BODY_BYTES (413), a body that is
+  string that is not UTF-8 once percent-decoded, a body over the body limit (413), a body that is
   not JSON by its content type (415), and parses the body strictly (`parse_json_body`): UTF-8,
   RFC 8259 JSON (no NaN/Infinity), at most MAX_JSON_DEPTH deep, numbers Python can hold. It
   documents the 413/415/422 it can answer in the OpenAPI document;
@@ -40,7 +40,10 @@ from ..protocol.rules import _NAME_RE, _PREFIX_RE, MAX_NAME_LENGTH, MAX_PREFIX_L
 INT16_MAX = 2**15 - 1  # Kafka's producer epoch
 INT32_MAX = 2**31 - 1  # Postgres integer; Spark's partition ids and attempt numbers are Java ints
 INT64_MAX = 2**63 - 1  # Postgres bigint
-MAX_BODY_BYTES = 8 * 1024 * 1024  # a commit of 100,000 partitions (COORDINATOR_MAX_PARTITIONS' ceiling) fits
+MAX_BODY_BYTES = 8 * 1024 * 1024  # the least body limit: a service taking wider attempts has a higher one
+# What one partition may take in a commit's body: its lease id and pre-commit record with four first
+# offsets (~320 bytes with a 40-character topic name; topic names run to 249).
+COMMIT_BYTES_PER_PARTITION = 1024
 MAX_JSON_DEPTH = 32  # the deepest request body is 3 levels deep
 
 
@@ -311,6 +314,12 @@ def parse_json_body(raw: bytes) -> Any:
     return value
 
 
+def body_limit(max_partitions: int) -> int:
+    """The body limit of a service that takes attempts of up to `max_partitions` partitions: its
+    widest commit fits (at the 4,096 default, MAX_BODY_BYTES; at 100,000, ~98 MiB)."""
+    return max(MAX_BODY_BYTES, max_partitions * COMMIT_BYTES_PER_PARTITION)
+
+
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     """The body, refused with 413 past `limit` bytes (by Content-Length, or while reading)."""
     declared = request.headers.get("content-length")
@@ -347,11 +356,12 @@ def parse_form(raw: bytes) -> dict[str, str]:
 
 
 class JsonRequest(Request):
-    """A request whose body is read within MAX_BODY_BYTES and parsed by `parse_json_body`."""
+    """A request whose body is read within the app's body limit (`app.state.body_limit`, set from
+    the coordinator's largest attempt; MAX_BODY_BYTES without) and parsed by `parse_json_body`."""
 
     async def body(self) -> bytes:
         if not hasattr(self, "_body"):
-            self._body = await read_body(self)
+            self._body = await read_body(self, getattr(self.app.state, "body_limit", MAX_BODY_BYTES))
         return self._body
 
     async def json(self) -> Any:

@@ -42,7 +42,7 @@ INT32_MAX = 2**31 - 1  # Postgres integer; Spark's partition ids and attempt num
 INT64_MAX = 2**63 - 1  # Postgres bigint
 MAX_BODY_BYTES = 8 * 1024 * 1024  # the least body limit: a service taking wider attempts has a higher one
 # What one partition may take in a commit's body: its lease id and pre-commit record with four first
-# offsets (~320 bytes with a 40-character topic name; topic names run to 249).
+# offsets, ~320 bytes with a 40-character topic name; 1 KiB holds names of up to ~160 characters.
 COMMIT_BYTES_PER_PARTITION = 1024
 MAX_JSON_DEPTH = 32  # the deepest request body is 3 levels deep
 

@@ -10,7 +10,7 @@ from coordinator.http.dashboard.health import Level, Thresholds, sink_health, ti
 from coordinator.http.dashboard.views import DURATIONS, bar_chart, batch_row, charts
 from coordinator.protocol.model import Attempt, Checkpoint, Lease, Sink
 from coordinator.protocol.states import AttemptState, CheckpointState, LeaseState
-from coordinator.service import CheckpointDetail
+from coordinator.service import BatchSummary
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 TIMEOUT_MS = 60_000
@@ -124,23 +124,16 @@ def test_timeout_bars_show_age_against_the_timeout() -> None:
     assert bars[2].age_ms == 50_000
 
 
-def test_batch_figures_sum_the_winning_precommits_only() -> None:
+def test_batch_durations_come_from_the_decided_attempt_and_charts_leave_out_undecided_batches() -> None:
     cp = checkpoint(4, CheckpointState.COMMITTED, created=0, decided=1_500, committed=1_800, attempt=2)
     first = attempt(cp, AttemptState.ABORTED, number=1)
     second = attempt(cp, AttemptState.COMMITTED, started=500, decided=1_500, number=2)
-    leases = [
-        lease(1, LeaseState.ABORTED, cp_id=cp.id, attempt_id=first.id, records=999),  # older attempt
-        lease(2, LeaseState.COMMITTED, cp_id=cp.id, attempt_id=second.id, records=10, partition=0),
-        lease(3, LeaseState.COMMITTED, cp_id=cp.id, attempt_id=second.id, records=32, partition=1),
-        lease(4, LeaseState.ABORTED, cp_id=cp.id, attempt_id=second.id, records=7, partition=1),  # speculative loser
-    ]
-    row = batch_row(CheckpointDetail(cp, [first, second], leases))
-    assert (row.records, row.bytes) == (42, 4200)
+    row = batch_row(BatchSummary(cp, [first, second], 42, 4200))  # the sums are Postgres' (test_dashboard_http)
     assert row.durations == {"batch_ms": 1_000, "job_ms": None, "commit_ms": 300, "total_ms": 1_800}
     assert [k for k, _, _ in DURATIONS] == list(row.durations)
 
     open_cp = checkpoint(5, CheckpointState.OPEN)
-    undecided = batch_row(CheckpointDetail(open_cp, [attempt(open_cp, AttemptState.OPEN)], []))
+    undecided = batch_row(BatchSummary(open_cp, [attempt(open_cp, AttemptState.OPEN)], None, None))
     assert undecided.records is None and undecided.durations["commit_ms"] is None
     # charts: oldest batch first, undecided batches left out
     by_key = {ch.key: ch for ch in charts([undecided, row])}
@@ -152,8 +145,7 @@ def test_batch_figures_sum_the_winning_precommits_only() -> None:
 def test_throughput_is_records_over_the_drivers_job_time() -> None:
     cp = checkpoint(6, CheckpointState.COMMITTED, created=0, decided=1_500, committed=1_800)
     decided = dataclasses.replace(attempt(cp, AttemptState.COMMITTED, decided=1_500), job_ms=400)
-    winner = lease(1, LeaseState.COMMITTED, cp_id=cp.id, attempt_id=decided.id, records=1_000)
-    row = batch_row(CheckpointDetail(cp, [decided], [winner]))
+    row = batch_row(BatchSummary(cp, [decided], 1_000, 10_000))
     assert row.durations["job_ms"] == 400
     by_key = {ch.key: ch for ch in charts([row])}
     assert [(b.label, b.value) for b in by_key["records_per_s"].bars] == [("6", 2_500.0)]

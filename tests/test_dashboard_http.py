@@ -6,6 +6,7 @@ The browser half is tests/test_dashboard_browser.py."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -23,9 +24,12 @@ from coordinator.kafka.broker import PartitionWatch
 from coordinator.service.clock import ManualClock
 from coordinator.http.dashboard import create_dashboard
 from coordinator.http.dashboard.broker_watch import BrokerWatch
+from coordinator.http.dashboard.views import DETAIL_ITEMS, LEASES_SHOWN
 from coordinator.http.dashboard.routes import SESSION_COOKIE
 from coordinator.kafka.control_plane import ControlPlaneError, OpenTransaction, PartitionStability, RecordingControlPlane
 from coordinator.protocol import errors as e
+from coordinator.protocol.model import PartitionResult, PrecommitRecord
+from coordinator.protocol.states import LeaseState
 from coordinator.protocol.invariants import check_unchanged
 from coordinator.service import Coordinator
 
@@ -381,6 +385,102 @@ def test_pages_show_the_figures_of_the_protocol(client: TestClient, api: Protoco
                          ("checkpoint_committed", "", "record")]
     assert [ev["kind"] for ev in coordinator.list_events("orders", batch_id=0)] == ["commit_decided"]
     assert "(attempt row)" in cp and "(checkpoint row)" in cp
+
+
+def test_batch_figures_sum_the_winning_precommits_only(client: TestClient, api: ProtocolClient,
+                                                        coordinator: Coordinator) -> None:
+    gen = new_sink(api, "orders")
+    first = api.begin("orders", 0, gen)["attempt"]
+    older = api.lease("orders", 0, first, gen, 0, 1)["lease_id"]
+    api.precommit("orders", older, gen, producer_id=1, records=999, bytes=9990)
+    api.abort("orders", 0, first, gen)
+    second = api.begin("orders", 0, gen)["attempt"]
+    written = {}
+    for partition, task, n in [(0, 10, 10), (1, 11, 32), (1, 12, 7)]:  # task 12: a speculative copy that loses
+        written[task] = api.lease("orders", 0, second, gen, partition, task)["lease_id"]
+        api.precommit("orders", written[task], gen, producer_id=task, records=n, bytes=n * 10)
+    api.commit("orders", 0, second, gen, {0: written[10], 1: written[11]})
+    batch(api, "orders", gen, 1, [5], commit=False)  # pre-committed, undecided: no figures yet
+
+    assert [(b.records, b.bytes) for b in coordinator.checkpoint_history("orders")] == [(None, None), (42, 420)]
+    login(client)
+    page = client.get("/dashboard/sinks/orders").text
+    assert re.findall(r'data-batch="(\d+)" data-value="([\d.]+)"', page.split('data-testid="chart-records"')[1]
+                      .split("</figure>")[0]) == [("0", "42")]
+    assert re.findall(r'data-testid="records">([^<]*)<', page) == ["", "42"]
+    assert re.findall(r'data-testid="records">([^<]+)<', client.get("/dashboard/sinks/orders/checkpoints/0").text) \
+        == ["42 / 420"]
+
+
+def test_a_sink_page_sums_a_decided_batchs_leases_once(client: TestClient, api: ProtocolClient,
+                                                      coordinator: Coordinator) -> None:
+    """A decided batch's sums never change, and a wide batch's thousands of leases are what costs:
+    the page refreshes every few seconds and asks Postgres only for the batches decided since."""
+    from sqlalchemy import event
+
+    sums: list[list[int]] = []
+
+    def count(conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
+        if "sum(" in statement:
+            sums.append([v for k, v in sorted(parameters.items()) if k.startswith("attempt_id")])
+
+    gen = new_sink(api, "orders")
+    batch(api, "orders", gen, 0, [10, 20])
+    login(client)
+    event.listen(coordinator.engine, "before_cursor_execute", count)
+    try:
+        assert client.get("/dashboard/sinks/orders").status_code == 200
+        assert client.get("/dashboard/sinks/orders").status_code == 200
+        assert len(sums) == 1  # the second render summed nothing
+        batch(api, "orders", gen, 1, [7])
+        batch(api, "orders", gen, 2, [3], commit=False)
+        page = client.get("/dashboard/sinks/orders").text
+    finally:
+        event.remove(coordinator.engine, "before_cursor_execute", count)
+    assert len(sums) == 2 and len(sums[1]) == 1  # batch 1's attempt alone; batch 2 is undecided
+    assert re.findall(r'data-testid="records">([^<]*)<', page) == ["", "7", "30"]
+
+
+def test_a_wide_batch_shows_its_leases_a_page_at_a_time_and_its_decision_cut_short(
+        client: TestClient, api: ProtocolClient, coordinator: Coordinator) -> None:
+    gen = new_sink(api, "wide")
+    pre = coordinator.begin_checkpoint("wide", 0, gen, "test", partitions=250).pre_leases
+    results = [PartitionResult(x.partition, x.id, PrecommitRecord(100 + x.partition, 0, 3, 30, 1))
+               if x.partition % 3 else PartitionResult(x.partition, None) for x in pre]  # every third one empty
+    coordinator.commit("wide", 0, 1, gen, results, "test")
+    every = coordinator.checkpoint_detail("wide", 0).leases
+    assert len(every) == 250
+    login(client)
+
+    def rows(path: str) -> tuple[list[int], str]:
+        html = client.get(path).text
+        return [int(x) for x in re.findall(r'data-lease="(\d+)"', html)], html
+
+    listed, path = [], "/dashboard/sinks/wide/checkpoints/0"
+    while True:
+        ids, html = rows(path)
+        assert 0 < len(ids) <= LEASES_SHOWN
+        listed += ids
+        more = re.search(r'data-testid="more-leases" href="([^"]+)"', html)
+        if more is None:
+            break
+        path = more.group(1).replace("&amp;", "&")
+    assert listed == sorted(x.id for x in every)  # two pages, each lease once, in order
+    counts = dict(re.findall(r'data-state="([A-Z_]+)" data-count="(\d+)"', html))
+    assert counts == {"ABORTED": "84", "COMMITTED": "166"}  # partitions 0, 3, ... 249 were empty
+    assert re.findall(r'data-testid="records">([^<]+)<', html) == ["498 / 4,980"]
+
+    aborted, html = rows("/dashboard/sinks/wide/checkpoints/0?lease_state=ABORTED")
+    assert aborted == sorted(x.id for x in every if x.state is LeaseState.ABORTED)
+    assert 'data-testid="more-leases"' not in html
+    # the decision names 166 winners; the page shows the first DETAIL_ITEMS of each list
+    decision = next(ev for ev in coordinator.list_events("wide", batch_id=0) if ev["kind"] == "commit_decided")
+    assert len(decision["detail"]["winners"]["lease_ids"]) == 166
+    shown = re.search(r'data-kind="commit_decided".*?<code>([^<]+)</code>', html, re.S).group(1)
+    winners = json.loads(shown.replace("&#34;", '"').replace("&quot;", '"'))["winners"]
+    assert winners["lease_ids"] == decision["detail"]["winners"]["lease_ids"][:DETAIL_ITEMS] + [f"… {166 - DETAIL_ITEMS} more"]
+    assert client.get("/dashboard/sinks/wide/checkpoints/0?lease_state=GONE").status_code == 422
+    assert client.get("/dashboard/sinks/wide/checkpoints/0?after=-1").status_code == 422
 
 
 def test_stuck_offsets_and_lingering_transactions(coordinator: Coordinator, kafka: RecordingControlPlane) -> None:

@@ -101,6 +101,7 @@ def integer(ge: int, le: int, description: str | None = None) -> Any:
 BatchId = integer(0, INT64_MAX, "Spark's micro-batch id")
 AttemptNumber = integer(1, INT32_MAX)
 LeaseId = integer(1, INT64_MAX)
+AfterLeaseId = integer(0, INT64_MAX, "the leases listed follow this lease id")
 EventId = integer(0, INT64_MAX)
 Partition = integer(0, INT32_MAX, "the Spark partition (task) index")
 Generation = integer(1, INT32_MAX, "the generation returned by start-generation")

@@ -100,6 +100,8 @@ ABORT_PENDING_STATES: dict[LeaseState, LeaseState] = {
 }
 # Leases of a decided winner whose commit Kafka refused for good.
 LOST_LEASE_STATES = frozenset({LeaseState.LOST_ABORTING, LeaseState.LOST})
+# Leases of a decided attempt's winners, whatever their commit on Kafka came to.
+WINNING_LEASE_STATES = frozenset({LeaseState.COMMITTING, LeaseState.COMMITTED, *LOST_LEASE_STATES})
 # Leases of an attempt that has not been decided yet and that must end aborted if it is not.
 UNDECIDED_LEASE_STATES = frozenset({LeaseState.LEASED, LeaseState.PRECOMMITTED})
 

@@ -27,10 +27,12 @@ from .recovery_operations import RecoveryOperations
 from .retirement import RetirementOperations
 from .results import (
     AbortOutcome,
+    BatchSummary,
     BeginResult,
     CheckpointDetail,
     CommitResult,
     FinishOutcome,
+    LeasePage,
     Limits,
     PoolUsage,
     SinkOverview,
@@ -47,6 +49,7 @@ class Coordinator(ProtocolOperations, RecoveryOperations, RetirementOperations, 
 
 __all__ = [
     "AbortOutcome",
+    "BatchSummary",
     "BeginResult",
     "CheckpointDetail",
     "CommitResult",
@@ -54,6 +57,7 @@ __all__ = [
     "CoordinatorBase",
     "FinishOutcome",
     "HistoryOperations",
+    "LeasePage",
     "Limits",
     "PoolUsage",
     "ProtocolOperations",

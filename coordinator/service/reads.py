@@ -3,17 +3,18 @@ invariant snapshot (the API, the dashboard, the CLI, the recovery sweep and the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import and_, func, select, true
+from sqlalchemy import Connection, and_, func, select, true
 
 from ..protocol.invariants import Snapshot
 from ..protocol.model import Checkpoint, Lease, Sink
-from ..protocol.states import UNRESOLVED_LEASE_STATES, CheckpointState
+from ..protocol.states import UNRESOLVED_LEASE_STATES, WINNING_LEASE_STATES, CheckpointState, LeaseState
 from ..store import repo
 from ..store.tables import attempt_columns, attempts, checkpoints, events, leases, sinks, transactional_ids, unresolved_leases
 from .base import CoordinatorBase
-from .results import CheckpointDetail, PoolUsage, SinkOverview
+from .results import BatchSummary, CheckpointDetail, LeasePage, PoolUsage, SinkOverview
 
 
 class Reads(CoordinatorBase):
@@ -81,9 +82,13 @@ class Reads(CoordinatorBase):
             stmt = stmt.where(events.c.sink_id == sink.id).order_by(events.c.id.desc()).limit(limit)
             return [dict(r._mapping) for r in conn.execute(stmt)]
 
-    def checkpoint_history(self, name: str, limit: int = 50) -> list[CheckpointDetail]:
-        """The newest `limit` checkpoints of the sink's current lineage with their attempts and
-        leases, newest first, in three queries (the dashboard's charts and tables)."""
+    def checkpoint_history(
+        self, name: str, limit: int = 50, known_totals: Mapping[int, tuple[int, int]] | None = None
+    ) -> list[BatchSummary]:
+        """The newest `limit` checkpoints of the sink's current lineage, newest first, with their
+        attempts and what their winners wrote, in three queries (the dashboard's charts and tables).
+        `known_totals`: (records, bytes) by decided attempt id, from an earlier call; a decided
+        attempt's never change, and summing a wide batch's thousands of leases is the costly part."""
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             cps = [repo.as_checkpoint(r) for r in conn.execute(
@@ -92,19 +97,27 @@ class Reads(CoordinatorBase):
                 .order_by(checkpoints.c.batch_id.desc())
                 .limit(limit)
             )]
-            ids = [c.id for c in cps]
-            cp_attempts = [repo.as_attempt(r) for r in conn.execute(
-                select(*attempt_columns).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
-            )] if ids else []
-            cp_leases = repo.leases_where(conn, leases.c.checkpoint_id.in_(ids)) if ids else []
-        return [
-            CheckpointDetail(
-                checkpoint=c,
-                attempts=[a for a in cp_attempts if a.checkpoint_id == c.id],
-                leases=[x for x in cp_leases if x.checkpoint_id == c.id],
-            )
-            for c in cps
-        ]
+            return _batch_summaries(conn, cps, known_totals or {})
+
+    def batch_summary(self, name: str, batch_id: int) -> BatchSummary:
+        with self.engine.connect() as conn:
+            return _batch_summaries(conn, [repo.checkpoint_for(conn, repo.sink_by_name(conn, name), batch_id)], {})[0]
+
+    def checkpoint_leases(
+        self, name: str, batch_id: int, *, state: LeaseState | None = None, after_id: int = 0, limit: int = 200
+    ) -> LeasePage:
+        """The checkpoint's leases (of `state`, if given) after lease id `after_id`, at most `limit`,
+        and its lease count by state."""
+        with self.engine.connect() as conn:
+            cp = repo.checkpoint_for(conn, repo.sink_by_name(conn, name), batch_id)
+            counts = conn.execute(
+                select(leases.c.state, func.count()).where(leases.c.checkpoint_id == cp.id).group_by(leases.c.state))
+            conditions = [leases.c.checkpoint_id == cp.id, leases.c.id > after_id]
+            if state is not None:
+                conditions.append(leases.c.state == state.value)
+            stmt = select(leases).where(*conditions).order_by(leases.c.id).limit(limit + 1)
+            page = [repo.as_lease(r) for r in conn.execute(stmt)]
+            return LeasePage(page[:limit], {LeaseState(s): n for s, n in counts}, more=len(page) > limit)
 
     def sink_overviews(self, recent: int = 5) -> list[SinkOverview]:
         """Every sink, by name, with its newest `recent` checkpoints of the current lineage and
@@ -156,3 +169,29 @@ class Reads(CoordinatorBase):
     def snapshot(self) -> Snapshot:
         with self.engine.connect() as conn:
             return repo.snapshot(conn)
+
+
+def _batch_summaries(
+    conn: Connection, cps: list[Checkpoint], known: Mapping[int, tuple[int, int]]
+) -> list[BatchSummary]:
+    """The checkpoints with their attempts and their decided attempts' winners' sums (those not
+    `known`): two queries whatever the number of leases (the sums are Postgres' work)."""
+    ids = [c.id for c in cps]
+    cp_attempts = [repo.as_attempt(r) for r in conn.execute(
+        select(*attempt_columns).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
+    )] if ids else []
+    decided = {c.id: c.committed_attempt for c in cps if c.committed_attempt is not None}
+    decided_ids = [a.id for a in cp_attempts if decided.get(a.checkpoint_id) == a.number and a.id not in known]
+    summed = {r.attempt_id: (int(r.records), int(r.bytes)) for r in conn.execute(
+        select(leases.c.attempt_id, func.coalesce(func.sum(leases.c.records), 0).label("records"),
+               func.coalesce(func.sum(leases.c.bytes), 0).label("bytes"))
+        .where(leases.c.attempt_id.in_(decided_ids), leases.c.state.in_([s.value for s in WINNING_LEASE_STATES]))
+        .group_by(leases.c.attempt_id)
+    )} if decided_ids else {}
+    out = []
+    for c in cps:
+        mine = [a for a in cp_attempts if a.checkpoint_id == c.id]
+        winner = next((a for a in mine if a.number == c.committed_attempt), None)
+        records, size = (None, None) if winner is None else known.get(winner.id) or summed.get(winner.id, (0, 0))
+        out.append(BatchSummary(c, mine, records, size))
+    return out

@@ -10,6 +10,7 @@ from ..kafka.control_plane import OpenTransaction
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
 from ..protocol import rules
 from ..protocol.rules import BeginAction
+from ..protocol.states import LeaseState
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,30 @@ class CheckpointDetail:
     checkpoint: Checkpoint
     attempts: list[Attempt]
     leases: list[Lease]
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """A checkpoint, its attempts and what its decided attempt's winners wrote, summed by Postgres:
+    a batch as the dashboard lists it, without loading its leases (a batch may have thousands)."""
+
+    checkpoint: Checkpoint
+    attempts: list[Attempt]
+    records: int | None  # None until a commit is decided
+    bytes: int | None
+
+    @property
+    def decided_attempt(self) -> Attempt | None:
+        return next((a for a in self.attempts if a.number == self.checkpoint.committed_attempt), None)
+
+
+@dataclass(frozen=True)
+class LeasePage:
+    """Some of a checkpoint's leases, by id, and how many it has in each state."""
+
+    leases: list[Lease]
+    by_state: dict[LeaseState, int]
+    more: bool  # leases of the state asked for follow the last one listed
 
 
 @dataclass(frozen=True)

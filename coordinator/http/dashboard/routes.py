@@ -34,6 +34,7 @@ from starlette.middleware.sessions import SessionMiddleware
 from ..auth import tokens_equal
 from ..input import (
     AbortReason,
+    AfterLeaseId,
     AttemptNumber,
     BatchId,
     InputRoute,
@@ -45,10 +46,11 @@ from ..input import (
     read_body,
 )
 from ...protocol import errors as e
+from ...protocol.states import LeaseState
 from ...service import Coordinator
 from .broker_watch import BrokerWatch
 from .health import Thresholds
-from .views import Views
+from .views import Views, brief
 
 HERE = Path(__file__).parent
 SESSION_COOKIE = "coordinator_dashboard"
@@ -204,6 +206,7 @@ def create_dashboard(
     templates = Jinja2Templates(directory=HERE / "templates")
     templates.env.filters["ts"] = lambda d: "" if d is None else d.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
     templates.env.filters["age"] = _age
+    templates.env.filters["brief"] = brief
     templates.env.filters["num"] = lambda n: "" if n is None else f"{n:,}"
     views = Views(coordinator, broker, thresholds)
     roles = {"admin": admin_token, "viewer": viewer_token}
@@ -309,11 +312,12 @@ def create_dashboard(
         return page(request, "sink.html", op, p=views.sink_page(name))
 
     @app.get("/sinks/{name}/checkpoints/{batch_id}", response_class=HTMLResponse)
-    def checkpoint(request: Request, name: SinkName, batch_id: BatchId) -> Response:
+    def checkpoint(request: Request, name: SinkName, batch_id: BatchId, lease_state: LeaseState | None = None,
+                   after: AfterLeaseId = 0) -> Response:
         op = viewer_or_login(request)
         if isinstance(op, Response):
             return op
-        return page(request, "checkpoint.html", op, p=views.checkpoint_page(name, batch_id))
+        return page(request, "checkpoint.html", op, p=views.checkpoint_page(name, batch_id, lease_state, after))
 
     # --- actions --------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ figure (e.g. a per-lease write time) is one more entry there.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -15,12 +16,15 @@ from typing import Any
 
 from ...protocol.model import Attempt, Checkpoint, Lease, Sink
 from ...protocol.states import CheckpointState, LeaseState
-from ...service import CheckpointDetail, Coordinator, PoolUsage
+from ...service import BatchSummary, Coordinator, LeasePage, PoolUsage
 from .broker_watch import BrokerView, BrokerWatch
 from .health import Health, Thresholds, TimeoutBar, ms_between, sink_health, timeout_bars
 
 HISTORY = 50  # checkpoints per sink page (tables and charts)
 EVENTS = 30  # newest events on a sink page
+LEASES_SHOWN = 200  # leases on a checkpoint page at a time (a batch may have thousands)
+DETAIL_ITEMS = 20  # items of a list in an event's detail on a page
+TOTALS_KEPT = 10_000  # decided batches' sums remembered, over all sinks
 MIN_SLOTS = 12  # chart width in bars, at least
 
 
@@ -28,20 +32,24 @@ MIN_SLOTS = 12  # chart width in bars, at least
 class BatchRow:
     """One checkpoint as a table row and a chart point."""
 
-    detail: CheckpointDetail
-    winners: list[Lease]
-    records: int | None  # sum over winning leases; None until a commit is decided
-    bytes: int | None
+    summary: BatchSummary
     durations: dict[str, int | None]  # DURATIONS key -> ms
 
     @property
     def checkpoint(self) -> Checkpoint:
-        return self.detail.checkpoint
+        return self.summary.checkpoint
 
     @property
-    def decided_attempt(self) -> Attempt | None:
-        n = self.checkpoint.committed_attempt
-        return next((a for a in self.detail.attempts if a.number == n), None)
+    def attempts(self) -> list[Attempt]:
+        return self.summary.attempts
+
+    @property
+    def records(self) -> int | None:  # over the winning leases; None until a commit is decided
+        return self.summary.records
+
+    @property
+    def bytes(self) -> int | None:
+        return self.summary.bytes
 
 
 def _ms(start: datetime | None, end: datetime | None) -> int | None:
@@ -56,21 +64,9 @@ DURATIONS: list[tuple[str, str, Callable[[Checkpoint, Attempt | None], int | Non
     ("total_ms", "checkpoint (first begin → committed)", lambda cp, a: _ms(cp.created_at, cp.committed_at)),
 ]
 
-WINNER_STATES = {LeaseState.COMMITTING, LeaseState.COMMITTED, LeaseState.LOST_ABORTING, LeaseState.LOST}
 
-
-def batch_row(d: CheckpointDetail) -> BatchRow:
-    cp = d.checkpoint
-    attempt = next((a for a in d.attempts if a.number == cp.committed_attempt), None)
-    winners = [x for x in d.leases if attempt is not None and x.attempt_id == attempt.id and x.state in WINNER_STATES]
-    decided = attempt is not None
-    return BatchRow(
-        detail=d,
-        winners=winners,
-        records=sum(x.records or 0 for x in winners) if decided else None,
-        bytes=sum(x.bytes or 0 for x in winners) if decided else None,
-        durations={key: f(cp, attempt) for key, _, f in DURATIONS},
-    )
+def batch_row(b: BatchSummary) -> BatchRow:
+    return BatchRow(summary=b, durations={key: f(b.checkpoint, b.decided_attempt) for key, _, f in DURATIONS})
 
 
 @dataclass(frozen=True)
@@ -157,18 +153,31 @@ class CheckpointPage:
     sink: Sink
     row: BatchRow
     attempt_numbers: dict[int, int]  # attempt id -> number
+    leases: LeasePage  # LEASES_SHOWN of them at a time, of one state if asked
+    lease_state: LeaseState | None
     events: list[dict[str, Any]]  # checkpoint_trail: the batch's events and what its rows record
 
 
-def checkpoint_trail(detail: CheckpointDetail, events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def brief(detail: Any) -> Any:
+    """An event's detail with every list cut to its first DETAIL_ITEMS (a wide batch's decision
+    names thousands of winners; the API's event list has them all)."""
+    if isinstance(detail, dict):
+        return {k: brief(v) for k, v in detail.items()}
+    if isinstance(detail, list):
+        head = [brief(v) for v in detail[:DETAIL_ITEMS]]
+        return head + [f"… {len(detail) - DETAIL_ITEMS:,} more"] if len(detail) > DETAIL_ITEMS else head
+    return detail
+
+
+def checkpoint_trail(batch: BatchSummary, events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The batch's story, oldest first: its events (source "event") merged with what its rows
     record (source "record"): each attempt's start, and the commit's end. The protocol writes one
     event per batch on its common path (commit_decided); a plain begin and a commit finished by
     the call that decided it have no event of their own, their rows are their record. A commit
     finished later has a checkpoint_committed event (actor recovery), shown instead of the row's."""
-    cp = detail.checkpoint
+    cp = batch.checkpoint
     trail = [(ev["at"], 1, dict(ev, source="event")) for ev in events]
-    for a in detail.attempts:
+    for a in batch.attempts:
         trail.append((a.started_at, 0, dict(
             id=None, at=a.started_at, kind="attempt_started", actor=None, batch_id=cp.batch_id, source="record",
             recorded_on="attempt", detail=dict(attempt=a.number, generation=a.generation, partitions=a.partitions),
@@ -186,6 +195,22 @@ class Views:
         self.coordinator = coordinator
         self.broker = broker
         self.thresholds = thresholds
+        # (records, bytes) of decided attempts, by attempt id: they never change, and a sink page
+        # of wide batches would sum hundreds of thousands of leases at every refresh
+        self._totals: dict[int, tuple[int, int]] = {}
+        self._totals_lock = threading.Lock()
+
+    def _history(self, name: str) -> list[BatchSummary]:
+        with self._totals_lock:
+            known = dict(self._totals)
+        history = self.coordinator.checkpoint_history(name, limit=HISTORY, known_totals=known)
+        decided = {a.id: (b.records, b.bytes or 0) for b in history
+                   if (a := b.decided_attempt) is not None and b.records is not None}
+        with self._totals_lock:
+            self._totals.update(decided)
+            for stale in list(self._totals)[:max(0, len(self._totals) - TOTALS_KEPT)]:
+                del self._totals[stale]  # the oldest entered first
+        return history
 
     def now(self) -> datetime:
         return self.coordinator.clock.now()
@@ -209,13 +234,13 @@ class Views:
         c = self.coordinator
         sink = c.get_sink(name)
         now = self.now()
-        history = c.checkpoint_history(name, limit=HISTORY)
+        history = self._history(name)
         unresolved = c.possibly_open_transactions(name)
-        rows = [batch_row(d) for d in history]
+        rows = [batch_row(b) for b in history]
         events = c.recent_events(name, EVENTS)
         committed = c.list_checkpoints(name, state=CheckpointState.COMMITTED, limit=1)
         return SinkPage(
-            summary=self._summary(sink, [(d.checkpoint, d.attempts) for d in history], committed[0] if committed else None,
+            summary=self._summary(sink, [(b.checkpoint, b.attempts) for b in history], committed[0] if committed else None,
                                   unresolved, now, self.broker.view(name)),
             rows=rows,
             charts=charts(rows),
@@ -224,12 +249,15 @@ class Views:
             events=events,
         )
 
-    def checkpoint_page(self, name: str, batch_id: int) -> CheckpointPage:
+    def checkpoint_page(self, name: str, batch_id: int, lease_state: LeaseState | None = None,
+                        after_lease: int = 0) -> CheckpointPage:
         c = self.coordinator
-        d = c.checkpoint_detail(name, batch_id)
+        b = c.batch_summary(name, batch_id)
         return CheckpointPage(
             sink=c.get_sink(name),
-            row=batch_row(d),
-            attempt_numbers={a.id: a.number for a in d.attempts},
-            events=checkpoint_trail(d, c.list_events(name, batch_id=batch_id, limit=1000)),
+            row=batch_row(b),
+            attempt_numbers={a.id: a.number for a in b.attempts},
+            leases=c.checkpoint_leases(name, batch_id, state=lease_state, after_id=after_lease, limit=LEASES_SHOWN),
+            lease_state=lease_state,
+            events=checkpoint_trail(b, c.list_events(name, batch_id=batch_id, limit=1000)),
         )

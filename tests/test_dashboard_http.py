@@ -24,7 +24,7 @@ from coordinator.kafka.broker import PartitionWatch
 from coordinator.service.clock import ManualClock
 from coordinator.http.dashboard import create_dashboard
 from coordinator.http.dashboard.broker_watch import BrokerWatch
-from coordinator.http.dashboard.views import DETAIL_ITEMS, LEASES_SHOWN
+from coordinator.http.dashboard.views import BARS_SHOWN, DETAIL_ITEMS, LEASES_SHOWN
 from coordinator.http.dashboard.routes import SESSION_COOKIE
 from coordinator.kafka.control_plane import ControlPlaneError, OpenTransaction, PartitionStability, RecordingControlPlane
 from coordinator.protocol import errors as e
@@ -481,6 +481,21 @@ def test_a_wide_batch_shows_its_leases_a_page_at_a_time_and_its_decision_cut_sho
     assert winners["lease_ids"] == decision["detail"]["winners"]["lease_ids"][:DETAIL_ITEMS] + [f"… {166 - DETAIL_ITEMS} more"]
     assert client.get("/dashboard/sinks/wide/checkpoints/0?lease_state=GONE").status_code == 422
     assert client.get("/dashboard/sinks/wide/checkpoints/0?after=-1").status_code == 422
+
+
+def test_a_wide_batch_in_flight_draws_the_open_transactions_nearest_their_timeout(
+        client: TestClient, api: ProtocolClient, coordinator: Coordinator, clock: ManualClock) -> None:
+    gen = new_sink(api, "wide")
+    coordinator.begin_checkpoint("wide", 0, gen, "test", partitions=BARS_SHOWN + 10)
+    clock.advance(seconds=30)
+    retry = api.lease("wide", 0, 1, gen, 0, 7)  # partition 0's task again: the youngest transaction
+    login(client)
+    page = client.get("/dashboard/sinks/wide").text
+    drawn = attr(page, "txn-bar", "data-tid")
+    assert len(drawn) == BARS_SHOWN and retry["transactional_id"] not in drawn
+    assert set(attr(page, "txn-bar", "data-percent")) == {"50.0"}  # 30 s of 60
+    assert attr(page, "more-open", "data-count") == ["11"]
+    assert f"Open transactions ({BARS_SHOWN + 11})" in page
 
 
 def test_stuck_offsets_and_lingering_transactions(coordinator: Coordinator, kafka: RecordingControlPlane) -> None:

@@ -24,6 +24,7 @@ HISTORY = 50  # checkpoints per sink page (tables and charts)
 EVENTS = 30  # newest events on a sink page
 LEASES_SHOWN = 200  # leases on a checkpoint page at a time (a batch may have thousands)
 DETAIL_ITEMS = 20  # items of a list in an event's detail on a page
+BARS_SHOWN = 50  # open transactions drawn on a sink page, the nearest their timeout first
 TOTALS_KEPT = 10_000  # decided batches' sums remembered, over all sinks
 MIN_SLOTS = 12  # chart width in bars, at least
 
@@ -142,7 +143,8 @@ class SinkPage:
     summary: SinkSummary
     rows: list[BatchRow]
     charts: list[Chart]
-    bars: list[TimeoutBar]
+    bars: list[TimeoutBar]  # the BARS_SHOWN nearest their timeout
+    open_transactions: int  # all of them (a wide batch in flight has thousands)
     pool: PoolUsage
     events: list[dict[str, Any]]
     durations: list[tuple[str, str]] = field(default_factory=lambda: [(k, label) for k, label, _ in DURATIONS])
@@ -237,6 +239,7 @@ class Views:
         history = self._history(name)
         unresolved = c.possibly_open_transactions(name)
         rows = [batch_row(b) for b in history]
+        bars = timeout_bars(unresolved, now, sink.transaction_timeout_ms, self.thresholds.near_timeout_fraction)
         events = c.recent_events(name, EVENTS)
         committed = c.list_checkpoints(name, state=CheckpointState.COMMITTED, limit=1)
         return SinkPage(
@@ -244,7 +247,8 @@ class Views:
                                   unresolved, now, self.broker.view(name)),
             rows=rows,
             charts=charts(rows),
-            bars=timeout_bars(unresolved, now, sink.transaction_timeout_ms, self.thresholds.near_timeout_fraction),
+            bars=bars[:BARS_SHOWN],
+            open_transactions=len(bars),
             pool=c.pool_usage(name),
             events=events,
         )

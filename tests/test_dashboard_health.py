@@ -79,6 +79,14 @@ def test_near_timeout_starts_at_80_percent_of_a_precommitted_transactions_lifeti
     assert "orders-eos-1" in h.findings[0].message and "80%" in h.findings[0].message
 
 
+def test_a_wide_batch_near_timeout_names_the_three_nearest_and_counts_the_rest() -> None:
+    live = [lease(i, LeaseState.COMMITTING, leased=100 * i, records=1) for i in range(10, 0, -1)]  # lease 1 the oldest
+    h = sink_health(sink(), committed_history(), live, at(49_000))  # all ten past 80 % of 60 s
+    assert h.kinds == {"near_timeout"}
+    assert [f.message.split(" ")[0] for f in h.findings[:3]] == ["orders-eos-1", "orders-eos-2", "orders-eos-3"]
+    assert [f.message for f in h.findings[3:]] == ["and 7 more transaction(s) past 80% of the timeout"]
+
+
 def test_a_leased_transaction_not_yet_precommitted_is_not_near_timeout() -> None:
     # the recovery loop's rule: only pre-committed or decided transactions can be lost by the timeout
     assert sink_health(sink(), committed_history(), [lease(1, LeaseState.LEASED)], at(59_000)).level is Level.OK

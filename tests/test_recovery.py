@@ -7,6 +7,7 @@ decisions in coordinator/protocol/recovery_rules.py."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from coordinator.protocol.states import (
     TransactionalIdState,
 )
 from coordinator.service.recovery import LeaderLease, RecoveryLoop
+from coordinator.service.recovery_operations import NAMED_IN_LOG
 from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.store.tables import transactional_ids
 
@@ -391,6 +393,23 @@ def test_warns_once_at_80_percent_of_a_precommitted_transactions_lifetime(
     assert result.checkpoint.state is CheckpointState.COMMITTED
     assert loop.run_once().sinks[NAME].near_timeout == []
     assert metric("coordinator_transactions_near_timeout") == 0
+
+
+def test_a_wide_batch_past_80_percent_is_one_warning_line_naming_a_few(
+    coordinator: Coordinator, clock: ManualClock, loop: RecoveryLoop, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = coordinator
+    gen = start(c)
+    attempt = begin(c, gen, 0)
+    live = [lease(c, gen, 0, attempt, p) for p in range(NAMED_IN_LOG + 3)]
+    clock.advance(ms=int(TIMEOUT_MS * 0.8))
+    with caplog.at_level(logging.WARNING, logger="coordinator.service"):
+        assert len(loop.run_once().sinks[NAME].warned) == len(live)
+    lines = [r.getMessage() for r in caplog.records if "past 80%" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"sink {NAME}: {len(live)} transaction(s) newly past 80% of their timeout: "
+                               f"{live[0].transactional_id} (lease {live[0].id}, PRECOMMITTED), ")
+    assert lines[0].endswith(" and 3 more") and live[NAMED_IN_LOG].transactional_id not in lines[0]
 
 
 # --- lingering transactions ------------------------------------------------------------------

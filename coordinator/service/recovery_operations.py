@@ -21,6 +21,8 @@ from .base import _target, log
 from .reads import Reads
 from .results import AbortOutcome, FinishOutcome, SweepOutcome
 
+NAMED_IN_LOG = 5  # transactions a warning names; a wide batch past the threshold has thousands
+
 
 class RecoveryOperations(Reads):
     """What the recovery loop runs (on Reads: the sweep asks get_sink and
@@ -157,9 +159,10 @@ class RecoveryOperations(Reads):
         metrics.TRANSACTIONS_NEAR_TIMEOUT.labels(name).set(len(near))
         if new:
             metrics.TRANSACTION_TIMEOUT_WARNINGS.labels(name).inc(len(new))
-            for x in new:
-                log.warning("sink %s: transaction %s (lease %s, %s) is past %d%% of its timeout", name,
-                            x.transactional_id, x.id, x.state, int(fraction * 100))
+            named = ", ".join(f"{x.transactional_id} (lease {x.id}, {x.state})" for x in new[:NAMED_IN_LOG])
+            more = f" and {len(new) - NAMED_IN_LOG} more" if len(new) > NAMED_IN_LOG else ""
+            log.warning("sink %s: %d transaction(s) newly past %d%% of their timeout: %s%s", name, len(new),
+                        int(fraction * 100), named, more)
         return near, new
 
     def sweep_lingering(self, name: str) -> SweepOutcome:

@@ -71,6 +71,7 @@ LABELS = {
     "slow": "slow",
 }
 ORDER = ["lost", "stuck", "near_timeout", "lingering", "slow"]
+NEAR_TIMEOUT_NAMED = 3  # transactions named one by one; the others counted (a wide batch has thousands)
 
 
 def ms_between(start: datetime, end: datetime) -> int:
@@ -96,12 +97,17 @@ def sink_health(
     if stuck_partitions:
         found.append(Finding("stuck", Level.CRITICAL, f"{stuck_partitions} partition(s) with a stuck last stable "
                                                       "offset: read_committed consumers are frozen"))
-    near = recovery_rules.near_timeout(unresolved, now, sink.transaction_timeout_ms, thresholds.near_timeout_fraction)
-    for x in near:
-        pct = rules.transaction_age_fraction(x, now, sink.transaction_timeout_ms) * 100
-        where = "past" if pct >= 100 else "at"
+    near = sorted(((rules.transaction_age_fraction(x, now, sink.transaction_timeout_ms), x) for x in
+                   recovery_rules.near_timeout(unresolved, now, sink.transaction_timeout_ms,
+                                               thresholds.near_timeout_fraction)), key=lambda t: -t[0])
+    for fraction, x in near[:NEAR_TIMEOUT_NAMED]:
+        where = "past" if fraction >= 1 else "at"
         found.append(Finding("near_timeout", Level.WARN, f"{x.transactional_id} ({x.state}, lease {x.id}) is {where} "
-                                                         f"{pct:.0f}% of its {sink.transaction_timeout_ms} ms timeout"))
+                                                         f"{fraction * 100:.0f}% of its {sink.transaction_timeout_ms} ms "
+                                                         "timeout"))
+    if len(near) > NEAR_TIMEOUT_NAMED:
+        found.append(Finding("near_timeout", Level.WARN, f"and {len(near) - NEAR_TIMEOUT_NAMED} more transaction(s) "
+                                                         f"past {thresholds.near_timeout_fraction:.0%} of the timeout"))
     if lingering:
         found.append(Finding("lingering", Level.WARN, f"{lingering} open transaction(s) under the prefix that no "
                                                       "lease explains"))

@@ -370,7 +370,7 @@ def test_transient_answers_forever_give_up_as_retriable_in_bounded_time(
     with pytest.raises(ControlPlaneError) as exc:
         plane.commit(target(kafka_faults.proxied_bootstrap), PreparedTransaction(tid(), 1, 0))
     elapsed = time.monotonic() - started
-    assert (exc.value.retriable, exc.value.code) == (True, "concurrent_transactions")
+    assert (exc.value.retriable, exc.value.code, exc.value.unanswered) == (True, "concurrent_transactions", False)
     assert BUDGET_MS / 1000 * 0.5 < elapsed < (BUDGET_MS + REQUEST_TIMEOUT_MS) / 1000 + 1.5
     assert kafka_faults.proxy.requests[API_END_TXN] >= 4  # retried with backoff, not hammered
     assert kafka_faults.proxy.requests[API_END_TXN] <= 60
@@ -385,7 +385,7 @@ def test_a_held_request_times_out_and_is_retried_as_retriable(kafka_faults: Real
         started = time.monotonic()
         with pytest.raises(ControlPlaneError) as exc:
             p.commit(target(kafka_faults.proxied_bootstrap), PreparedTransaction(tid(), 1, 0))
-        assert exc.value.retriable is True
+        assert exc.value.retriable is True and exc.value.unanswered  # a commit pass tries no other winner
         assert time.monotonic() - started < 1.2 + 0.4 + 2.0
     finally:
         p.close()
@@ -400,7 +400,7 @@ def test_unreachable_bootstrap_is_retriable_after_bounded_time() -> None:
             started = time.monotonic()
             with pytest.raises(ControlPlaneError) as exc:
                 call()
-            assert (exc.value.retriable, exc.value.code) == (True, "broker_unreachable")
+            assert (exc.value.retriable, exc.value.code, exc.value.unanswered) == (True, "broker_unreachable", True)
             assert time.monotonic() - started < 0.9 + 0.3 + 1.5  # budget + one request, slack for load
     finally:
         p.close()

@@ -174,6 +174,7 @@ def test_run_once_finishes_a_decided_commit_without_the_driver(
     kafka.fail_next(UNREACHABLE, times=3)  # both commits and the loser's abort fail: the driver gives up
     with pytest.raises(e.Unavailable):
         c.commit(NAME, 0, attempt, gen, [PR(0, w0.id), PR(1, w1.id)], ACTOR)
+    kafka.clear_failures()  # the broker is back (after the first failure the commit tried no other winner)
     assert c.snapshot().checkpoints[0].state is CheckpointState.COMMITTING
     assert states(c)[loser.id] is LeaseState.ABORTING
     finished_before = metric("coordinator_recovery_commits_finished_total")
@@ -526,6 +527,7 @@ def test_scale_down_aborts_every_id_of_the_higher_partitions_within_one_iteratio
     kafka.fail_next(UNREACHABLE, times=8)
     gen2, fenced = c.start_generation(NAME, "query-1", "run-2", ACTOR)
     assert sorted(fenced.pending) == sorted(x.transactional_id for x in eight) and fenced.aborted == []
+    kafka.clear_failures()  # the broker is back
     second = begin(c, gen2, 0)
     three = [lease(c, gen2, 0, second, p) for p in range(3)]  # fewer partitions now
     assert not {x.transactional_id for x in three} & {x.transactional_id for x in eight}  # I3

@@ -1035,6 +1035,46 @@ def test_sink_overviews_answer_as_the_per_sink_reads(coordinator: Coordinator, k
     assert orders.last_committed is None and [x.state for x in orders.unresolved] == [LeaseState.PRECOMMITTED]
 
 
+def test_a_pass_over_kafka_stops_starting_calls_once_the_broker_answered_none(engine: Engine) -> None:
+    """A broker that does not answer costs each call its whole retry budget (8 s): 4,096 winners,
+    16 at a time, would hold a commit call or the recovery loop for 34 minutes. Once one call got
+    no answer and none got one, the calls not started yet are reported not tried (retriable: they
+    stay pending for the next pass). A refusal is an answer: after one, every call is made
+    (test_lost_data's one refused winner that does not stop the others)."""
+    unreachable = ControlPlaneError("broker down", retriable=True, code="broker_unreachable")
+    kafka = RecordingControlPlane()
+    c = Coordinator(engine, kafka, limits=Limits(kafka_parallelism=4))
+    try:
+        gen = start(c)
+        c.begin_checkpoint(NAME, 0, gen, ACTOR)
+        winners = [lease_and_precommit(c, 0, 1, gen, p, p) for p in range(40)]
+        kafka.fail_next(unreachable, times=1_000)
+        with pytest.raises(e.Unavailable):
+            c.commit(NAME, 0, 1, gen, [PR(p, w.id) for p, w in enumerate(winners)], ACTOR)
+        tried = 1_000 - len(kafka._failures)
+        assert 1 <= tried <= 4  # the calls already running when the first gave up, no more
+        (failed,) = [ev for ev in c.list_events(NAME, limit=1000) if ev["kind"] == "commit_failed"]
+        assert len(failed["detail"]["failures"]) == 40
+        assert sum("not tried in this pass" in v for v in failed["detail"]["failures"].values()) == 40 - tried
+        assert {lease_state(c, w.id) for w in winners} == {LeaseState.COMMITTING}
+
+        kafka.clear_failures()  # the broker is back: the next pass commits every winner
+        assert c.resume(NAME, 0).checkpoint.state is CheckpointState.COMMITTED
+        assert len(kafka.commits) == 40
+
+        # an abort pass (a stage retry's 40 first tries) stops the same way
+        c.begin_checkpoint(NAME, 1, gen, ACTOR)
+        tries = [c.begin_partition(NAME, 1, 1, gen, p, 100 + p) for p in range(40)]
+        kafka.fail_next(unreachable, times=1_000)
+        _, outcome = c.abort_attempt(NAME, 1, 1, gen, "stage retry", ACTOR)
+        tried = 1_000 - len(kafka._failures)
+        assert 1 <= tried <= 4 and outcome.aborted == [] and len(outcome.pending) == 40
+        kafka.clear_failures()
+        assert sorted(c.run_pending_aborts(NAME).aborted) == sorted(x.transactional_id for x in tries)
+    finally:
+        c.close()
+
+
 def test_kafka_work_runs_at_most_kafka_parallelism_at_once_with_results_in_order(engine: Engine) -> None:
     """_parallel (each lease's commit or abort on Kafka): every item once, answers in the items'
     order, never more than kafka_parallelism at once."""

@@ -101,7 +101,7 @@ def test_a_sweep_the_broker_cannot_answer_is_logged_once_per_change_not_per_try(
         for _ in range(10):
             assert "sweep" in loop.run_once(honor_backoff=False).sinks["old-kafka"].errors
         assert len(warnings()) == 1 and "KIP-664" in warnings()[0]
-        kafka._failures.clear()
+        kafka.clear_failures()
         assert loop.run_once(honor_backoff=False).sinks["old-kafka"].errors == {}
         assert any("step sweep of sink old-kafka succeeds again after 10 failure(s)" in r.getMessage()
                    for r in caplog.records)

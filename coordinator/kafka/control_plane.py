@@ -39,6 +39,10 @@ class PreparedTransaction:
     producer_epoch: int
 
 
+# The codes of a call the broker never answered, whatever the control plane.
+NO_ANSWER_CODES = frozenset({"broker_unreachable", "network_exception", "request_timed_out"})
+
+
 class ControlPlaneError(Exception):
     """`retriable=True`: worth repeating at once (broker unreachable, coordinator moving).
     `retriable=False`: repeating at once will not help. Whether a refused commit can never pass
@@ -54,6 +58,11 @@ class ControlPlaneError(Exception):
     @property
     def transaction_gone(self) -> bool:
         return commit_refusal_is_final(self.code)
+
+    @property
+    def unanswered(self) -> bool:
+        """No answer came from the broker (unreachable, or every request timed out)."""
+        return self.code in NO_ANSWER_CODES
 
 
 class TransactionOutcome(StrEnum):
@@ -170,6 +179,11 @@ class RecordingControlPlane:
     def fail_next(self, error: ControlPlaneError, times: int = 1) -> None:
         with self._lock:
             self._failures.extend([error] * times)
+
+    def clear_failures(self) -> None:
+        """Drop the failures fail_next queued and no call has raised yet (the broker is back)."""
+        with self._lock:
+            self._failures.clear()
 
     def _maybe_fail(self) -> None:
         with self._lock:

@@ -1049,13 +1049,15 @@ def test_a_pass_over_kafka_stops_starting_calls_once_the_broker_answered_none(en
         c.begin_checkpoint(NAME, 0, gen, ACTOR)
         winners = [lease_and_precommit(c, 0, 1, gen, p, p) for p in range(40)]
         kafka.fail_next(unreachable, times=1_000)
-        with pytest.raises(e.Unavailable):
+        with pytest.raises(e.Unavailable) as answer:
             c.commit(NAME, 0, 1, gen, [PR(p, w.id) for p, w in enumerate(winners)], ACTOR)
         tried = 1_000 - len(kafka._failures)
         assert 1 <= tried <= 4  # the calls already running when the first gave up, no more
+        # the event and the answer name each tried call's error and count the others
         (failed,) = [ev for ev in c.list_events(NAME, limit=1000) if ev["kind"] == "commit_failed"]
-        assert len(failed["detail"]["failures"]) == 40
-        assert sum("not tried in this pass" in v for v in failed["detail"]["failures"].values()) == 40 - tried
+        assert len(failed["detail"]["failures"]) == tried and failed["detail"]["not_tried"] == 40 - tried
+        assert answer.value.detail["not_tried"] == 40 - tried and len(answer.value.detail["failures"]) == tried
+        assert f"40 transaction(s) could not be committed on Kafka yet ({40 - tried} not tried" in answer.value.message
         assert {lease_state(c, w.id) for w in winners} == {LeaseState.COMMITTING}
 
         kafka.clear_failures()  # the broker is back: the next pass commits every winner
@@ -1069,6 +1071,8 @@ def test_a_pass_over_kafka_stops_starting_calls_once_the_broker_answered_none(en
         _, outcome = c.abort_attempt(NAME, 1, 1, gen, "stage retry", ACTOR)
         tried = 1_000 - len(kafka._failures)
         assert 1 <= tried <= 4 and outcome.aborted == [] and len(outcome.pending) == 40
+        (failed,) = [ev for ev in c.list_events(NAME, limit=1000) if ev["kind"] == "abort_failed"]
+        assert len(failed["detail"]["failures"]) == tried and failed["detail"]["not_tried"] == 40 - tried
         kafka.clear_failures()
         assert sorted(c.run_pending_aborts(NAME).aborted) == sorted(x.transactional_id for x in tries)
     finally:

@@ -170,6 +170,7 @@ class CoordinatorBase:
             return reach.note(None)
 
         failures = {}
+        not_tried: set[str] = set()  # of the failures: calls not made (_Reach)
         refused: dict[str, rules.RefusedCommit] = {}  # refused for good: the data is lost
         after_all: dict[str, str] = {}  # refused, yet the log shows the transaction committed
         for lease, error in zip(pending, self._parallel(commit_one, pending, reach.give_up)):
@@ -177,6 +178,8 @@ class CoordinatorBase:
                 continue
             if not error.transaction_gone:  # may still commit: stays COMMITTING, retried with backoff
                 failures[lease.transactional_id] = str(error)
+                if error.code == NOT_TRIED:
+                    not_tried.add(lease.transactional_id)
                 if not error.retriable:
                     log.error("commit of %s (batch %s of sink %s) answered %s: not a refusal that ends a "
                               "transaction, so it stays decided and is retried; check the coordinator's ACLs "
@@ -264,7 +267,8 @@ class CoordinatorBase:
                                            sorted(still_committing), now)
             outcome["checkpoint"] = locked
             if failures:
-                repo.add_event(conn, sink.id, "commit_failed", "coordinator", now, cp.id, failures=failures)
+                repo.add_event(conn, sink.id, "commit_failed", "coordinator", now, cp.id,
+                               **_failure_report(failures, not_tried))
                 return None
             if locked.state is CheckpointState.LOST:
                 return None
@@ -308,12 +312,15 @@ class CoordinatorBase:
             self._abort_on_kafka(sink.name, self._aborting_leases([cp.id]))
             raise rules.data_lost(final)
         if result is None:
+            report = _failure_report(failures, not_tried)
+            skipped = f" ({report['not_tried']} not tried: the broker answered none of this pass's calls)" \
+                if "not_tried" in report else ""
             raise e.Unavailable(
                 "kafka_commit_failed",
                 f"the commit of batch {cp.batch_id} is decided but {len(failures)} transaction(s) could "
-                "not be committed on Kafka yet; retry (resume) — the decision stands. Kafka: "
-                + "; ".join(f"{tid}: {why}" for tid, why in sorted(failures.items()))[:1000],
-                failures=failures,
+                f"not be committed on Kafka yet{skipped}; retry (resume) — the decision stands. Kafka: "
+                + "; ".join(f"{tid}: {why}" for tid, why in sorted(report["failures"].items()))[:1000],
+                **report,
             )
         return result
 
@@ -429,6 +436,7 @@ class CoordinatorBase:
         errors = self._parallel(abort_one, list(to_abort), reach.give_up)
         done = [x for x, err in zip(to_abort, errors) if err is None]
         failed = {x.transactional_id: str(err) for x, err in zip(to_abort, errors) if err is not None}
+        not_tried = {x.transactional_id for x, err in zip(to_abort, errors) if err is not None and err.code == NOT_TRIED}
 
         def record(conn: Connection) -> None:
             now = self.clock.now_in(conn)
@@ -442,7 +450,7 @@ class CoordinatorBase:
                 repo.add_event(conn, sink.id, "transactions_aborted", "coordinator", now,
                                transactional_ids=[r.transactional_id for r in changed])
             if failed:
-                repo.add_event(conn, sink.id, "abort_failed", "coordinator", now, failures=failed)
+                repo.add_event(conn, sink.id, "abort_failed", "coordinator", now, **_failure_report(failed, not_tried))
 
         self._tx(record)
         return AbortOutcome(aborted=[*already, *(x.transactional_id for x in done)], pending=[*elsewhere, *failed])
@@ -517,7 +525,17 @@ class _Reach:
     def give_up(self, error: ControlPlaneError | None) -> ControlPlaneError | None:
         if error is None or not error.unanswered or self.reached:
             return None
-        return ControlPlaneError(f"not tried in this pass: {error}", retriable=True, code=NOT_TRIED)
+        return ControlPlaneError(f"not tried in this pass: the broker answered none of its calls ({error.code})",
+                                 retriable=True, code=NOT_TRIED)
+
+
+def _failure_report(failures: dict[str, str], not_tried: set[str]) -> dict[str, Any]:
+    """An event's or an answer's account of failed Kafka calls: each tried one's error by
+    transactional id, and how many were not tried (still pending; a wide batch has thousands)."""
+    report: dict[str, Any] = {"failures": {t: why for t, why in failures.items() if t not in not_tried}}
+    if left := len(not_tried & failures.keys()):
+        report["not_tried"] = left
+    return report
 
 
 def _first_offsets(lease: Lease) -> list[FirstOffset]:

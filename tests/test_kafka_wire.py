@@ -20,6 +20,7 @@ COORDINATOR_LOAD_IN_PROGRESS, ...); it never stands in for a refusal.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -407,6 +408,34 @@ def test_unreachable_bootstrap_is_retriable_after_bounded_time() -> None:
     with pytest.raises(ControlPlaneError) as after_close:
         p.commit(target(f"127.0.0.1:{closed}"), PreparedTransaction("x", 1, 0))
     assert (after_close.value.retriable, after_close.value.code) == (True, "closed")
+
+
+def test_concurrent_calls_on_an_unreachable_bootstrap_each_give_up_within_their_budget() -> None:
+    """Twelve calls at once (a commit pass runs 16): each waits for another's bootstrap no longer
+    than its own request could take, so each ends within its budget, not behind eleven timeouts."""
+    closed = free_port()
+    p = KafkaWireControlPlane(request_timeout_ms=300, retry_budget_ms=900, retry_backoff_ms=50)
+    took: list[float] = []
+    errors: list[ControlPlaneError] = []
+
+    def call(i: int) -> None:
+        started = time.monotonic()
+        try:
+            p.commit(target(f"127.0.0.1:{closed}"), PreparedTransaction(f"x{i}", 1, 0))
+        except ControlPlaneError as exc:
+            errors.append(exc)
+        took.append(time.monotonic() - started)
+
+    try:
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        p.close()
+    assert len(errors) == 12 and all(x.retriable and x.unanswered for x in errors)
+    assert max(took) < 0.9 + 0.3 + 1.5, sorted(took)  # budget + one request, slack for load (12 x 0.3 s queued)
 
 
 # --- (f) parallel commits ----------------------------------------------------------------------

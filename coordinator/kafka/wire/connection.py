@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -84,16 +85,24 @@ class _BrokerClient:
         self.closed = False
 
     def ensure_bootstrapped(self, timeout_ms: int) -> None:
+        """Bootstrap once for every caller, within `timeout_ms` of this caller's time, waiting for
+        another caller's bootstrap included: 16 calls queued behind each other's timed-out tries
+        took 16 timeouts each, far past their retry budget."""
         refuse_blocking("a Kafka request")
         if self._manager.bootstrapped:
             return
-        with self._bootstrap_lock:
+        deadline = time.monotonic() + timeout_ms / 1000
+        if not self._bootstrap_lock.acquire(timeout=timeout_ms / 1000):
+            raise _Retry("broker_unreachable", f"cannot bootstrap from {self.bootstrap_servers}: another call's "
+                                               f"bootstrap did not end within {timeout_ms} ms")
+        try:
             if self._manager.bootstrapped:
                 return
-            try:
-                self._manager.bootstrap(timeout_ms)
-            except Errors.KafkaError as exc:
-                raise _Retry("broker_unreachable", f"cannot bootstrap from {self.bootstrap_servers}: {exc}") from exc
+            self._manager.bootstrap(max(100, int((deadline - time.monotonic()) * 1000)))
+        except Errors.KafkaError as exc:
+            raise _Retry("broker_unreachable", f"cannot bootstrap from {self.bootstrap_servers}: {exc}") from exc
+        finally:
+            self._bootstrap_lock.release()
 
     def run(self, coro: Callable[..., Awaitable[T]], *args: Any) -> T:
         refuse_blocking("a Kafka request")  # the service runs Kafka work in its threads

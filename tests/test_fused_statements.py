@@ -341,7 +341,8 @@ def test_the_committed_mark_is_two_statements_and_waits_for_every_winner(
 
     # Kafka commits one winner and not yet the other: the checkpoint stays COMMITTING
     number, results = winners_of(2)
-    kafka.fail_next(ControlPlaneError("broker unreachable", retriable=True, code="network_exception"))
+    # an answer (one winner's transaction coordinator is loading): the other winner is committed
+    kafka.fail_next(ControlPlaneError("coordinator loading", retriable=True, code="coordinator_load_in_progress"))
     with pytest.raises(e.Unavailable):  # decided; one winner still to commit on Kafka
         c.commit(NAME, 2, number, gen, results, "test")
     detail = c.checkpoint_detail(NAME, 2)
@@ -450,7 +451,8 @@ def test_a_finisher_that_finds_the_commit_marked_by_another_answers_it_committed
     gen, _ = c.start_generation(NAME, "q1", "r1", "test")
     begun = c.begin_checkpoint(NAME, 1, gen, "test", partitions=2)
     results = [PartitionResult(x.partition, x.id, PrecommitRecord(1000 + x.partition, 0, 5, 50)) for x in begun.pre_leases]
-    kafka.fail_next(ControlPlaneError("broker unreachable", retriable=True, code="network_exception"))
+    # an answer (one winner's transaction coordinator is loading): the other winner is committed
+    kafka.fail_next(ControlPlaneError("coordinator loading", retriable=True, code="coordinator_load_in_progress"))
     with pytest.raises(e.Unavailable):  # decided; one winner still to commit on Kafka
         c.commit(NAME, 1, begun.attempt.number, gen, results, "test")
     commit_on_kafka, others = kafka.commit, []

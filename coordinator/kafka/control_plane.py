@@ -39,7 +39,9 @@ class PreparedTransaction:
     producer_epoch: int
 
 
-# The codes of a call the broker never answered, whatever the control plane.
+# The codes of a call the broker never answered (unreachable, every request timed out), whatever
+# the control plane; the wire plane names a broker's own REQUEST_TIMED_OUT or NETWORK_EXCEPTION
+# answer the same, and a pass treats those alike (kafka_passes: a retry later, nothing lost).
 NO_ANSWER_CODES = frozenset({"broker_unreachable", "network_exception", "request_timed_out"})
 
 

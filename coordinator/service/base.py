@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +31,8 @@ from ..protocol.states import ABORT_PENDING_STATES, AttemptState, CheckpointStat
 from ..store import driver_sql, hot_path, repo
 from ..store.connections import ConnectionShelf
 from ..store.tables import attempts, checkpoints, lease_rows, leases, sinks, unresolved_leases
-from . import metrics
+from . import kafka_passes, metrics
+from .kafka_passes import NOT_TRIED, Reach, failure_report
 from .clock import Clock, DatabaseClock, given_now
 from .results import AbortOutcome, CommitResult, Limits, _Decision
 
@@ -42,7 +42,6 @@ T = TypeVar("T")
 
 # the actor of a checkpoint_committed event: a decided commit finished after its commit call
 RECOVERY_ACTOR = "recovery"
-NOT_TRIED = "not_tried"  # the code of a Kafka call not made: the broker answered none in its pass (_Reach)
 
 # Postgres codes worth retrying the whole transaction for: serialization failure, deadlock, and a
 # prepared statement the session lost (store.driver_sql prepares it again)
@@ -157,7 +156,7 @@ class CoordinatorBase:
         target = _target(sink)
         control_plane = self.control_plane
 
-        reach = _Reach()
+        reach = Reach()
 
         def commit_one(lease: Lease) -> ControlPlaneError | None:
             assert control_plane is not None and lease.producer_id is not None and lease.producer_epoch is not None
@@ -170,7 +169,7 @@ class CoordinatorBase:
             return reach.note(None)
 
         failures = {}
-        not_tried: set[str] = set()  # of the failures: calls not made (_Reach)
+        not_tried: set[str] = set()  # of the failures: calls not made (Reach)
         refused: dict[str, rules.RefusedCommit] = {}  # refused for good: the data is lost
         after_all: dict[str, str] = {}  # refused, yet the log shows the transaction committed
         for lease, error in zip(pending, self._parallel(commit_one, pending, reach.give_up)):
@@ -268,7 +267,7 @@ class CoordinatorBase:
             outcome["checkpoint"] = locked
             if failures:
                 repo.add_event(conn, sink.id, "commit_failed", "coordinator", now, cp.id,
-                               **_failure_report(failures, not_tried))
+                               **failure_report(failures, not_tried))
                 return None
             if locked.state is CheckpointState.LOST:
                 return None
@@ -312,7 +311,7 @@ class CoordinatorBase:
             self._abort_on_kafka(sink.name, self._aborting_leases([cp.id]))
             raise rules.data_lost(final)
         if result is None:
-            report = _failure_report(failures, not_tried)
+            report = failure_report(failures, not_tried)
             skipped = f" ({report['not_tried']} not tried: the broker answered none of this pass's calls)" \
                 if "not_tried" in report else ""
             raise e.Unavailable(
@@ -421,7 +420,7 @@ class CoordinatorBase:
             sink = repo.sink_by_name(conn, name)
         target = _target(sink)
 
-        reach = _Reach()
+        reach = Reach()
 
         def abort_one(lease: Lease) -> ControlPlaneError | None:
             started = time.monotonic()
@@ -450,52 +449,15 @@ class CoordinatorBase:
                 repo.add_event(conn, sink.id, "transactions_aborted", "coordinator", now,
                                transactional_ids=[r.transactional_id for r in changed])
             if failed:
-                repo.add_event(conn, sink.id, "abort_failed", "coordinator", now, **_failure_report(failed, not_tried))
+                repo.add_event(conn, sink.id, "abort_failed", "coordinator", now, **failure_report(failed, not_tried))
 
         self._tx(record)
         return AbortOutcome(aborted=[*already, *(x.transactional_id for x in done)], pending=[*elsewhere, *failed])
 
     def _parallel(self, fn: Callable[[Lease], T], items: Sequence[Lease],
                   stop: Callable[[T], T | None] = lambda _: None) -> list[T]:
-        """fn over items, at most kafka_parallelism at once, results in order. Each worker takes
-        the next item until none is left: as balanced as one future per item, without 200 futures
-        (which cost more than the work itself at P=200 on a fast control plane). fn waits on Kafka:
-        in a call running on the event loop (`on_loop`), every worker is a thread of the pool.
-        `stop(result)`: what every item not started yet gets instead of fn, once a result says they
-        would fare no better (None: go on)."""
-        here = not on_loop.on_loop()  # the calling thread is one of the workers
-        workers = min(len(items), self.limits.kafka_parallelism)
-        out: list[Any] = [None] * len(items)
-        started = [False] * len(items)
-        stopped: list[T] = []
-        todo = iter(range(len(items)))
-        lock = threading.Lock()
-
-        def work() -> None:
-            while True:
-                with lock:
-                    i = None if stopped else next(todo, None)
-                    if i is None:
-                        return
-                    started[i] = True
-                out[i] = fn(items[i])
-                instead = stop(out[i])
-                if instead is not None:
-                    with lock:
-                        stopped[:] = stopped or [instead]
-
-        if workers <= 1 and here:
-            work()
-        else:
-            futures = [self._kafka_pool.submit(work) for _ in range(workers - here)]
-            try:
-                if here:
-                    work()  # one thread hand-off fewer per call
-            finally:
-                on_loop.wait_futures(futures)  # none left running, whatever work() raised
-            for f in futures:
-                f.result()  # re-raises what fn raised there
-        return [x if ran else stopped[0] for x, ran in zip(out, started)]
+        """kafka_passes.run_pass on the service's Kafka threads."""
+        return kafka_passes.run_pass(self._kafka_pool, self.limits.kafka_parallelism, fn, items, stop)
 
     def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args), which waits on Kafka: in a call running on the event loop, in a thread."""
@@ -504,38 +466,6 @@ class CoordinatorBase:
         future = self._kafka_pool.submit(fn, *args)
         on_loop.wait_futures([future])
         return future.result()
-
-
-class _Reach:
-    """One pass of commits or aborts over a batch's transactions: once a call could not reach the
-    broker (the wire control plane says so after its whole retry budget) and the broker has answered
-    none, it is taken as unreachable and the calls not started yet are not made. Each would wait out
-    the budget too: 4,096 winners, 16 at a time, 8 s each, is 34 minutes of a commit call or of the
-    recovery loop. They stay pending (not_tried, retriable), and the next pass tries them."""
-
-    def __init__(self) -> None:
-        self.reached = False
-
-    def note(self, error: ControlPlaneError | None) -> ControlPlaneError | None:
-        """A call's outcome, noted as soon as it is known: a success or a refusal is an answer."""
-        if error is None or not error.unanswered:
-            self.reached = True
-        return error
-
-    def give_up(self, error: ControlPlaneError | None) -> ControlPlaneError | None:
-        if error is None or not error.unanswered or self.reached:
-            return None
-        return ControlPlaneError(f"not tried in this pass: the broker answered none of its calls ({error.code})",
-                                 retriable=True, code=NOT_TRIED)
-
-
-def _failure_report(failures: dict[str, str], not_tried: set[str]) -> dict[str, Any]:
-    """An event's or an answer's account of failed Kafka calls: each tried one's error by
-    transactional id, and how many were not tried (still pending; a wide batch has thousands)."""
-    report: dict[str, Any] = {"failures": {t: why for t, why in failures.items() if t not in not_tried}}
-    if left := len(not_tried & failures.keys()):
-        report["not_tried"] = left
-    return report
 
 
 def _first_offsets(lease: Lease) -> list[FirstOffset]:

@@ -110,14 +110,14 @@ class Reads(CoordinatorBase):
         and its lease count by state."""
         with self.engine.connect() as conn:
             cp = repo.checkpoint_for(conn, repo.sink_by_name(conn, name), batch_id)
-            counts = conn.execute(
-                select(leases.c.state, func.count()).where(leases.c.checkpoint_id == cp.id).group_by(leases.c.state))
+            counts = {LeaseState(s): n for s, n in conn.execute(
+                select(leases.c.state, func.count()).where(leases.c.checkpoint_id == cp.id).group_by(leases.c.state))}
             conditions = [leases.c.checkpoint_id == cp.id, leases.c.id > after_id]
             if state is not None:
                 conditions.append(leases.c.state == state.value)
             stmt = select(leases).where(*conditions).order_by(leases.c.id).limit(limit + 1)
             page = [repo.as_lease(r) for r in conn.execute(stmt)]
-            return LeasePage(page[:limit], {LeaseState(s): n for s, n in counts}, more=len(page) > limit)
+            return LeasePage(page[:limit], counts, more=len(page) > limit)
 
     def sink_overviews(self, recent: int = 5) -> list[SinkOverview]:
         """Every sink, by name, with its newest `recent` checkpoints of the current lineage and

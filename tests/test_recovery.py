@@ -380,8 +380,9 @@ def test_warns_once_at_80_percent_of_a_precommitted_transactions_lifetime(
     assert r.warned == [w.transactional_id] and r.near_timeout == [w.transactional_id]
     assert unflushed.transactional_id not in r.near_timeout
     (ev,) = [x for x in c.list_events(NAME, limit=1000) if x["kind"] == "transaction_near_timeout"]
-    assert ev["detail"]["lease_id"] == w.id and ev["detail"]["age_fraction"] == 0.8
-    assert ev["detail"]["remaining_ms"] == TIMEOUT_MS - int(TIMEOUT_MS * 0.8)
+    assert ev["batch_id"] == 0 and ev["detail"]["count"] == 1 and ev["detail"]["fraction"] == 0.8
+    assert ev["detail"]["leases"] == [[w.id, 0, w.transactional_id, "PRECOMMITTED", 0.8,
+                                       TIMEOUT_MS - int(TIMEOUT_MS * 0.8)]]
     assert metric("coordinator_transaction_timeout_warnings_total") == warnings_before + 1
     assert metric("coordinator_transactions_near_timeout") == 1
 
@@ -411,6 +412,45 @@ def test_a_wide_batch_past_80_percent_is_one_warning_line_naming_a_few(
     assert lines[0].startswith(f"sink {NAME}: {len(live)} transaction(s) newly past 80% of their timeout: "
                                f"{live[0].transactional_id} (lease {live[0].id}, PRECOMMITTED), ")
     assert lines[0].endswith(" and 3 more") and live[NAMED_IN_LOG].transactional_id not in lines[0]
+
+
+def test_a_wide_batch_past_80_percent_is_one_event_and_a_later_one_another(
+    coordinator: Coordinator, clock: ManualClock, loop: RecoveryLoop
+) -> None:
+    c = coordinator
+    gen = start(c)
+    attempt = begin(c, gen, 0)
+    early = [lease(c, gen, 0, attempt, p) for p in range(30)]
+    clock.advance(ms=TIMEOUT_MS // 2)
+    late = lease(c, gen, 0, attempt, 30)  # its transaction started half a timeout later
+    clock.advance(ms=int(TIMEOUT_MS * 0.3))
+
+    assert len(loop.run_once().sinks[NAME].warned) == len(early)
+    (ev,) = [x for x in c.list_events(NAME, limit=1000) if x["kind"] == "transaction_near_timeout"]
+    assert ev["detail"]["count"] == len(early) and [x[0] for x in ev["detail"]["leases"]] == [x.id for x in early]
+    clock.advance(ms=1_000)
+    assert loop.run_once().sinks[NAME].warned == []  # the event is the record of who was warned
+    clock.advance(ms=TIMEOUT_MS // 2)
+    r = loop.run_once().sinks[NAME]
+    assert r.warned == [late.transactional_id]  # (the early ones are past their timeout now: aborted)
+    warnings = [x for x in c.list_events(NAME, limit=1000) if x["kind"] == "transaction_near_timeout"]
+    assert [x["detail"]["count"] for x in warnings] == [len(early), 1]
+    assert warnings[1]["detail"]["leases"][0][:4] == [late.id, 30, late.transactional_id, "PRECOMMITTED"]
+
+
+def test_a_warning_recorded_one_lease_per_event_still_counts(
+    coordinator: Coordinator, engine: Engine, clock: ManualClock, loop: RecoveryLoop
+) -> None:
+    """Events written before a warning listed its batch's leases named one lease each."""
+    c = coordinator
+    gen = start(c)
+    attempt = begin(c, gen, 0)
+    old, new = lease(c, gen, 0, attempt, 0), lease(c, gen, 0, attempt, 1)
+    c.record_operator_event(NAME, "transaction_near_timeout", "recovery", batch_id=0, lease_id=old.id,
+                            transactional_id=old.transactional_id, state="PRECOMMITTED", age_fraction=0.8,
+                            remaining_ms=12_000)
+    clock.advance(ms=int(TIMEOUT_MS * 0.8))
+    assert loop.run_once().sinks[NAME].warned == [new.transactional_id]
 
 
 # --- lingering transactions ------------------------------------------------------------------

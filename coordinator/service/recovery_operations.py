@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import BigInteger, Connection, cast, func, select
+from sqlalchemy.dialects.postgresql import JSONPATH
 from sqlalchemy.exc import DBAPIError
 
 from ..kafka.control_plane import ControlPlaneError, KafkaTarget, OpenTransaction
@@ -124,7 +125,9 @@ class RecoveryOperations(Reads):
 
     def warn_near_timeout(self, name: str, fraction: float = recovery_rules.WARN_FRACTION) -> tuple[list[Lease], list[Lease]]:
         """Pre-committed or committing transactions past `fraction` of their lifetime. Returns
-        (all of them, those warned about for the first time: a `transaction_near_timeout` event each)."""
+        (all of them, those warned about for the first time). The newly warned of each batch are
+        one `transaction_near_timeout` event, which lists them: a wide batch stuck behind a down
+        broker crosses the threshold thousands at once, and a row each would bury the batch's trail."""
 
         def step(conn: Connection) -> tuple[list[Lease], list[Lease]]:
             sink = repo.sink_by_name(conn, name)
@@ -138,20 +141,18 @@ class RecoveryOperations(Reads):
             near = recovery_rules.near_timeout(live, now, sink.transaction_timeout_ms, fraction)
             if not near:
                 return [], []
-            warned = set(conn.execute(
-                select(events.c.detail["lease_id"].as_integer()).where(
-                    events.c.sink_id == sink.id,
-                    events.c.kind == "transaction_near_timeout",
-                    events.c.checkpoint_id.in_(sorted({x.checkpoint_id for x in near})),
-                )
-            ).scalars())
+            warned = _warned_lease_ids(conn, sink.id, {x.checkpoint_id for x in near})
             new = [x for x in near if x.id not in warned]
+            by_checkpoint: dict[int, list[Lease]] = {}
             for x in new:
+                by_checkpoint.setdefault(x.checkpoint_id, []).append(x)
+            for checkpoint_id, batch in by_checkpoint.items():
                 repo.add_event(
-                    conn, sink.id, "transaction_near_timeout", "recovery", now, x.checkpoint_id,
-                    lease_id=x.id, transactional_id=x.transactional_id, state=str(x.state),
-                    age_fraction=round(rules.transaction_age_fraction(x, now, sink.transaction_timeout_ms), 3),
-                    remaining_ms=rules.remaining_ms(x, now),
+                    conn, sink.id, "transaction_near_timeout", "recovery", now, checkpoint_id,
+                    fraction=fraction, count=len(batch),
+                    leases=[[x.id, x.partition, x.transactional_id, str(x.state),
+                             round(rules.transaction_age_fraction(x, now, sink.transaction_timeout_ms), 3),
+                             rules.remaining_ms(x, now)] for x in batch],
                 )
             return near, new
 
@@ -259,3 +260,14 @@ class RecoveryOperations(Reads):
             repo.add_event(conn, sink.id, kind, actor, self.clock.now_in(conn), cp_id, **detail)
 
         self._tx(step)
+
+
+def _warned_lease_ids(conn: Connection, sink_id: int, checkpoint_ids: set[int]) -> set[int]:
+    """The leases of these checkpoints already warned about: each event lists its leases
+    (`leases`, [lease id, ...] each); an event written before that names one (`lease_id`)."""
+    of_these = (events.c.sink_id == sink_id, events.c.kind == "transaction_near_timeout",
+                events.c.checkpoint_id.in_(sorted(checkpoint_ids)))
+    first_of_each = cast("$.leases[*][0]", JSONPATH)
+    listed = select(cast(func.jsonb_path_query(events.c.detail, first_of_each), BigInteger)).where(*of_these)
+    named = select(cast(events.c.detail["lease_id"].astext, BigInteger)).where(*of_these, events.c.detail.has_key("lease_id"))
+    return set(conn.execute(listed.union_all(named)).scalars())

@@ -173,8 +173,15 @@ class CoordinatorClient:
         body = {"generation": generation, "reason": reason[:500]}
         return self.request("POST", f"/v1/sinks/{self.sink}/checkpoints/{batch_id}/attempts/{attempt}/abort", body)
 
-    def checkpoint(self, batch_id: int) -> dict[str, Any]:
-        return self.request("GET", f"/v1/sinks/{self.sink}/checkpoints/{batch_id}")
+    def checkpoint(self, batch_id: int, page_size: int = 1000) -> dict[str, Any]:
+        """The checkpoint, its attempts and every lease (the service answers them a page at a time)."""
+        path = f"/v1/sinks/{self.sink}/checkpoints/{batch_id}"
+        detail = self.request("GET", path, params={"lease_limit": page_size})
+        while detail.get("next_after_lease_id") is not None:
+            page = self.request("GET", path, params={"lease_limit": page_size,
+                                                     "after_lease_id": detail["next_after_lease_id"]})
+            detail = {**page, "leases": detail["leases"] + page["leases"]}
+        return detail
 
     def checkpoints(self, state: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
         params: dict[str, Any] = {"limit": limit}

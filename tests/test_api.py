@@ -189,6 +189,34 @@ def test_batch_figures_are_stored_and_read_back(admin: ProtocolClient) -> None:
         0: (4, 40, 37), 1: (10, 1000, None)}
 
 
+def test_a_checkpoints_leases_come_in_pages_with_their_counts(admin: ProtocolClient) -> None:
+    """A wide batch has a lease per partition and try: the detail lists them by id, a page at a
+    time, with the checkpoint's lease count by state and where the next page starts."""
+    w, gen, attempt = setup_attempt(admin)
+    firsts = [w.lease(SINK, 0, attempt, gen, partition=p, task_attempt_id=p) for p in range(5)]
+    retry = w.lease(SINK, 0, attempt, gen, partition=0, task_attempt_id=99)  # the loser of partition 0
+    for x in firsts:
+        w.precommit(SINK, x["lease_id"], gen, producer_id=7000 + x["lease_id"])
+    assert w.commit(SINK, 0, attempt, gen, {x["partition"]: x["lease_id"] for x in firsts})["state"] == "COMMITTED"
+    every = sorted(x["lease_id"] for x in [*firsts, retry])
+
+    listed, after, pages = [], 0, 0
+    while after is not None:
+        page = w.request("GET", f"/v1/sinks/{SINK}/checkpoints/0", params={"lease_limit": 2, "after_lease_id": after})
+        assert page["lease_counts"] == {"ABORTED": 1, "COMMITTED": 5}
+        assert [a["number"] for a in page["attempts"]] == [attempt] and page["checkpoint"]["state"] == "COMMITTED"
+        assert all(x["attempt"] == attempt for x in page["leases"])
+        listed += [x["lease_id"] for x in page["leases"]]
+        after, pages = page["next_after_lease_id"], pages + 1
+    assert listed == every and pages == 3
+    whole = w.checkpoint(SINK, 0)  # the default page holds a thousand
+    assert [x["lease_id"] for x in whole["leases"]] == every and whole["next_after_lease_id"] is None
+    aborted = w.request("GET", f"/v1/sinks/{SINK}/checkpoints/0", params={"lease_state": "ABORTED"})
+    assert [x["lease_id"] for x in aborted["leases"]] == [retry["lease_id"]] and aborted["lease_counts"]["COMMITTED"] == 5
+    for bad in ({"lease_state": "DONE"}, {"lease_limit": 0}, {"lease_limit": 1001}, {"after_lease_id": -1}):
+        error_of(w.request("GET", f"/v1/sinks/{SINK}/checkpoints/0", params=bad, expect=None), 422)
+
+
 def test_abort_by_driver_then_new_attempt(admin: ProtocolClient, coordinator: Coordinator) -> None:
     w, gen, attempt = setup_attempt(admin)
     l0 = w.lease(SINK, 0, attempt, gen, partition=0, task_attempt_id=1)

@@ -401,6 +401,11 @@ def test_a_batch_costs_two_calls_and_a_retried_task_one_more(database_url: str, 
         assert len(calls) == 2, calls  # begin + commit, whatever the partitions did
         assert batch(1, retried=True)["state"] == "COMMITTED"
         assert len(calls) == 3, calls
+        calls.clear()
+        detail = client.checkpoint(1, page_size=2)  # the service answers two leases at a time
+        assert len(calls) == 2 and sorted(x["partition"] for x in detail["leases"]) == [0, 1, 1], calls
+        assert sorted(x["lease_id"] for x in detail["leases"]) == [x["lease_id"] for x in detail["leases"]]
+        assert detail["lease_counts"] == {"ABORTED": 1, "COMMITTED": 2} and detail["next_after_lease_id"] is None
         # an older writer reporting every topic-partition its transaction wrote: the coordinator keeps
         # the first FIRST_OFFSETS_KEPT as sent, for a first try on the attempt's row and a retry's lease
         assert batch(2, retried=True, topic_partitions=10)["state"] == "COMMITTED"

@@ -26,6 +26,7 @@ from ..kafka.broker import PartitionWatch
 from .dashboard import create_dashboard
 from .fast_lane import FastLane, calls_on_loop_for
 from .input import (
+    AfterLeaseId,
     AttemptNumber,
     BatchId,
     ErrorOut,
@@ -42,7 +43,7 @@ from .metrics import HttpMetricsMiddleware
 from ..protocol import errors as e
 from ..protocol.model import Sink
 from ..protocol.rules import PrecommitRequest
-from ..protocol.states import CheckpointState
+from ..protocol.states import CheckpointState, LeaseState
 from .schemas import (
     AbortOut,
     AbortRequest,
@@ -392,13 +393,28 @@ def create_app(
         return [CheckpointOut.of(c) for c in coordinator.list_checkpoints(name, state=state, before_batch=before_batch, limit=limit)]
 
     @app.get("/v1/sinks/{name}/checkpoints/{batch_id}", tags=["reads"], responses=ON_SINK)
-    def checkpoint_detail(name: SinkName, batch_id: BatchId, _: Writer) -> CheckpointDetailOut:
-        d = coordinator.checkpoint_detail(name, batch_id)
+    def checkpoint_detail(
+        name: SinkName,
+        batch_id: BatchId,
+        _: Writer,
+        lease_state: LeaseState | None = None,
+        after_lease_id: AfterLeaseId = 0,
+        lease_limit: PageSize = 1000,
+    ) -> CheckpointDetailOut:
+        """The checkpoint, its attempts, and its leases by id: at most lease_limit (of lease_state,
+        if given) after after_lease_id. lease_counts has its lease count by state; the next page
+        starts after next_after_lease_id (null: this page is the last). A wide batch has a lease
+        per partition and try."""
+        page = coordinator.checkpoint_leases(name, batch_id, state=lease_state, after_id=after_lease_id,
+                                             limit=lease_limit)
+        d = coordinator.checkpoint_detail(name, batch_id, with_leases=False)  # after the page: its attempts are there
         number = {a.id: a.number for a in d.attempts}
         return CheckpointDetailOut(
             checkpoint=CheckpointOut.of(d.checkpoint),
             attempts=[AttemptOut.of(a) for a in d.attempts],
-            leases=[LeaseOut.of(x, number[x.attempt_id]) for x in d.leases],
+            leases=[LeaseOut.of(x, number.get(x.attempt_id)) for x in page.leases],
+            lease_counts={state.value: n for state, n in sorted(page.by_state.items())},
+            next_after_lease_id=page.leases[-1].id if page.more else None,
         )
 
     @app.get("/v1/sinks/{name}/transactions/open", tags=["reads"], responses=ON_SINK)

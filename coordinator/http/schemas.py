@@ -434,7 +434,9 @@ class AbortOut(BaseModel):
 class CheckpointDetailOut(BaseModel):
     checkpoint: CheckpointOut
     attempts: list[AttemptOut]
-    leases: list[LeaseOut]
+    leases: list[LeaseOut]  # one page, by id
+    lease_counts: dict[str, int]  # every lease of the checkpoint, by state
+    next_after_lease_id: int | None  # the next page's after_lease_id; None: no more
 
 
 class EventOut(BaseModel):

@@ -167,6 +167,51 @@ def test_refused_commit_is_lost_loudly_and_halts_the_sink(coordinator: Coordinat
     assert_invariants(c)
 
 
+def test_a_retired_sinks_halt_and_other_last_seen_gauges_are_dropped(
+    coordinator: Coordinator, kafka: RecordingControlPlane
+) -> None:
+    """A halted sink may be retired (nothing of it is open): the halt gauge, which the process
+    and the recovery leader keep as they last saw it, must not stay 1 for a sink that is gone."""
+    from sqlalchemy import update
+
+    from coordinator.service.metrics import DatabaseCollector
+    from coordinator.service.recovery import RecoveryLoop
+    from coordinator.store.tables import sinks
+
+    c = coordinator
+    gen = start(c)
+    for other in ("other", "gone"):
+        start(c, other, f"{other}-eos")
+    attempt, winners = write_batch(c, gen, 0, 1)
+    kafka.fail_next(FENCED)
+    with pytest.raises(e.Conflict):
+        c.commit(NAME, 0, attempt, gen, results(winners), ACTOR)
+    loop = RecoveryLoop(c, interval_ms=50, leader_ttl_ms=10_000)
+    try:
+        assert loop.run_once().leader
+        assert metric("coordinator_sink_halted") == 1 and REGISTRY.get_sample_value(
+            "coordinator_sink_halted", {"sink": "other"}) == 0
+
+        def gauged() -> set[str]:
+            return {s.labels["sink"] for m in REGISTRY.collect() if m.name in (
+                "coordinator_sink_halted", "coordinator_transactions_near_timeout") for s in m.samples}
+
+        def in_database_gauges() -> set[str]:
+            return {s.labels["sink"] for m in DatabaseCollector(c.engine).collect() for s in m.samples if s.labels}
+
+        assert {NAME, "other", "gone"} <= gauged() and {NAME, "other", "gone"} <= in_database_gauges()
+        c.retire_sink(NAME, "admin", "replaced")  # retired here: this process drops its gauges at once
+        assert NAME not in gauged() and "other" in gauged()
+        with c.engine.begin() as conn:  # retired by another replica: the leader drops them at its next pass
+            conn.execute(update(sinks).where(sinks.c.name == "gone").values(retired_at=c.clock.now()))
+        assert "gone" in gauged()
+        loop.run_once()
+        assert gauged() & {NAME, "gone"} == set() and "other" in gauged()
+        assert in_database_gauges() & {NAME, "gone"} == set() and "other" in in_database_gauges()
+    finally:
+        loop.stop()
+
+
 def test_retriable_failures_stay_committing_until_a_later_refusal_loses_the_batch(
     coordinator: Coordinator, kafka: RecordingControlPlane
 ) -> None:

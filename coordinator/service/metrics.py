@@ -172,6 +172,17 @@ def partitions_observed(sink: str, partitions: Iterable[Any]) -> None:
         PARTITION_LSO_LAG.labels(sink, p.topic, str(p.partition)).set(max(0, p.high_watermark - p.last_stable_offset))
 
 
+# gauges of a sink's state as this process last saw it; a retired sink's would keep their last value
+LAST_SEEN_BY_SINK = (SINK_HALTED, TRANSACTIONS_NEAR_TIMEOUT, PARTITION_LSO_LAG)
+
+
+def forget_sink(sink: str) -> None:
+    """Drop a retired sink's last-seen gauges (a halt seen before its retirement stayed 1 until
+    the process restarted). Its counters stay: they are its history."""
+    for gauge in LAST_SEEN_BY_SINK:
+        gauge.remove_by_labels({"sink": sink})
+
+
 # --- state from the database, at scrape time -----------------------------------------------------
 
 OPEN_STATES = tuple(s.value for s in LeaseState if s in UNRESOLVED_LEASE_STATES)
@@ -201,7 +212,7 @@ _CHECKPOINTS = text(
      GROUP BY s.name, c.state
     """
 )
-_SINKS = text("SELECT name FROM sinks")
+_SINKS = text("SELECT name FROM sinks WHERE retired_at IS NULL")
 
 
 class DatabaseCollector(Collector):

@@ -226,6 +226,7 @@ class RecoveryLoop:
         self._thread: threading.Thread | None = None
         self._token: int | None = None
         self._renewed_at = float("-inf")  # monotonic time of the last acquire that returned a token
+        self._gauged: set[str] = set()  # the sinks whose gauges the last iteration set
         self.iterations = 0
 
     @property
@@ -248,7 +249,11 @@ class RecoveryLoop:
         metrics.RECOVERY_ITERATIONS.inc()
         self.iterations += 1
         has_kafka = self.coordinator.control_plane is not None
-        for name, halted, due in self._sinks_due():
+        sinks_due = self._sinks_due()
+        for retired in self._gauged - {name for name, _, _ in sinks_due}:
+            metrics.forget_sink(retired)
+        self._gauged = {name for name, _, _ in sinks_due}
+        for name, halted, due in sinks_due:
             metrics.SINK_HALTED.labels(name).set(1 if halted else 0)
             # a step backing off runs as before (its backoff ends only by running it)
             due |= {step for step in STEPS if (name, step) in self._backoff}

@@ -14,6 +14,7 @@ from ..protocol.model import Sink
 from ..protocol.states import UNRESOLVED_LEASE_STATES, AttemptState, CheckpointState
 from ..store import repo
 from ..store.tables import attempts, checkpoints, sinks, unresolved_leases
+from . import metrics
 from .base import CoordinatorBase
 
 
@@ -46,4 +47,6 @@ class RetirementOperations(CoordinatorBase):
             repo.add_event(conn, sink.id, "sink_retired", actor, now, reason=reason)
             return repo.sink_by_name(conn, name, retired=True), True
 
-        return self._tx(step)
+        retired = self._tx(step)
+        metrics.forget_sink(name)  # its halt and other last-seen gauges would stay as they were
+        return retired

@@ -226,7 +226,7 @@ class RecoveryLoop:
         self._thread: threading.Thread | None = None
         self._token: int | None = None
         self._renewed_at = float("-inf")  # monotonic time of the last acquire that returned a token
-        self._gauged: set[str] = set()  # the sinks whose gauges the last iteration set
+        self._sinks_seen: set[str] = set()  # the live sinks of the last iteration
         self.iterations = 0
 
     @property
@@ -250,9 +250,7 @@ class RecoveryLoop:
         self.iterations += 1
         has_kafka = self.coordinator.control_plane is not None
         sinks_due = self._sinks_due()
-        for retired in self._gauged - {name for name, _, _ in sinks_due}:
-            metrics.forget_sink(retired)
-        self._gauged = {name for name, _, _ in sinks_due}
+        self._forget_retired({name for name, _, _ in sinks_due})
         for name, halted, due in sinks_due:
             metrics.SINK_HALTED.labels(name).set(1 if halted else 0)
             # a step backing off runs as before (its backoff ends only by running it)
@@ -287,6 +285,14 @@ class RecoveryLoop:
             return 0
         self._prune_at = now if outcome.more else now + PRUNE_EVERY_S
         return outcome.pruned
+
+    def _forget_retired(self, live: set[str]) -> None:
+        """Drop the gauges and backoffs of sinks retired since the last iteration."""
+        for retired in self._sinks_seen - live:
+            metrics.forget_sink(retired)
+            for step in STEPS:
+                self._backoff.pop((retired, step), None)
+        self._sinks_seen = live
 
     def _sinks_due(self) -> list[tuple[str, bool, set[str]]]:
         """Every live sink: its name, whether it is halted, and the database steps that may have work."""

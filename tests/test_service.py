@@ -16,6 +16,7 @@ from sqlalchemy import Engine, func, select
 from coordinator.service.clock import ManualClock
 from coordinator.kafka.control_plane import ControlPlaneError, PreparedTransaction, RecordingControlPlane
 from coordinator.protocol import errors as e
+from coordinator.protocol import recovery_rules
 from coordinator.protocol.invariants import check_committed_unchanged, check_invariants, check_unchanged
 from coordinator.protocol.model import Lease, PartitionResult as PR
 from coordinator.protocol.rules import BeginAction, PrecommitRequest
@@ -1027,12 +1028,19 @@ def test_sink_overviews_answer_as_the_per_sink_reads(coordinator: Coordinator, k
         assert o.sink == c.get_sink(name)
         assert o.recent == [(d.checkpoint, d.attempts) for d in c.checkpoint_history(name, limit=5)]
         assert o.last_committed == (committed[0] if committed else None)
-        assert o.unresolved == c.possibly_open_transactions(name)
+        unresolved = c.possibly_open_transactions(name)
+        assert o.open_transactions == len(unresolved)
+        assert o.near_timeout_candidates == [x for x in unresolved if x.state in recovery_rules.NEAR_TIMEOUT_STATES]
     busy, idle, orders = overviews
     assert [cp.batch_id for cp, _ in busy.recent] == [7, 6, 5, 4, 3] and busy.last_committed.batch_id == 6
-    assert busy.unresolved == [] and idle.recent == [] and idle.last_committed is None
+    assert busy.open_transactions == 0 and idle.recent == [] and idle.last_committed is None
     assert [(cp.query_id, cp.batch_id) for cp, _ in orders.recent] == [("q2", 0)]
-    assert orders.last_committed is None and [x.state for x in orders.unresolved] == [LeaseState.PRECOMMITTED]
+    assert orders.last_committed is None and [x.state for x in orders.near_timeout_candidates] == [LeaseState.PRECOMMITTED]
+    # a wide batch in flight: its leased first tries are counted, not loaded
+    c.begin_checkpoint("busy", 8, other, ACTOR, partitions=40)
+    busy, _, orders = c.sink_overviews(recent=5)
+    assert busy.open_transactions == 40 and busy.near_timeout_candidates == []
+    assert orders.open_transactions == 1 and len(orders.near_timeout_candidates) == 1
 
 
 def test_a_pass_over_kafka_stops_starting_calls_once_the_broker_answered_none(engine: Engine) -> None:

@@ -72,6 +72,10 @@ def expired_leases(leases: Iterable[Lease], attempts: Iterable[Attempt], now: da
     ]
 
 
+# the leases near_timeout looks at: their transactions hold data the batch needs
+NEAR_TIMEOUT_STATES = (LeaseState.PRECOMMITTED, LeaseState.COMMITTING)
+
+
 def near_timeout(
     leases: Iterable[Lease], now: datetime, transaction_timeout_ms: int, fraction: float = WARN_FRACTION
 ) -> list[Lease]:
@@ -79,7 +83,7 @@ def near_timeout(
     lifetime: the broker aborts them at the timeout, and a decided one would then be lost."""
     return [
         x for x in leases
-        if x.state in (LeaseState.PRECOMMITTED, LeaseState.COMMITTING)
+        if x.state in NEAR_TIMEOUT_STATES
         and rules.transaction_age_fraction(x, now, transaction_timeout_ms) >= fraction
     ]
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, func, select, true
 
+from ..protocol import recovery_rules
 from ..protocol.invariants import Snapshot
 from ..protocol.model import Checkpoint, Lease, Sink
 from ..protocol.states import UNRESOLVED_LEASE_STATES, WINNING_LEASE_STATES, CheckpointState, LeaseState
@@ -145,13 +146,24 @@ class Reads(CoordinatorBase):
             cp_attempts = [repo.as_attempt(r) for r in conn.execute(
                 select(*attempt_columns).where(attempts.c.checkpoint_id.in_(ids)).order_by(attempts.c.number)
             )] if ids else []
-            unresolved = repo.leases_where(conn, repo.unresolved_in(*UNRESOLVED_LEASE_STATES), source=unresolved_leases)
+            # counted, and only the leases the health rules read loaded: a wide batch in flight
+            # has thousands of LEASED first tries
+            open_counts: dict[int, int] = dict(conn.execute(  # type: ignore[arg-type]
+                select(unresolved_leases.c.sink_id, func.count())
+                .where(repo.unresolved_in(*UNRESOLVED_LEASE_STATES)).group_by(unresolved_leases.c.sink_id)
+            ).all())
+            candidates = repo.leases_where(conn, repo.unresolved_in(*recovery_rules.NEAR_TIMEOUT_STATES),
+                                           source=unresolved_leases)
+        candidates_of: dict[int, list[Lease]] = {}
+        for x in candidates:
+            candidates_of.setdefault(x.sink_id, []).append(x)
         return [
             SinkOverview(
                 sink=sink,
                 recent=[(c, [a for a in cp_attempts if a.checkpoint_id == c.id]) for c in cps if c.sink_id == sink.id],
                 last_committed=last.get(sink.id),
-                unresolved=[x for x in unresolved if x.sink_id == sink.id],
+                open_transactions=open_counts.get(sink.id, 0),
+                near_timeout_candidates=candidates_of.get(sink.id, []),
             )
             for sink in all_sinks
         ]

@@ -134,7 +134,7 @@ class RecoveryOperations(Reads):
             live = repo.leases_where(
                 conn,
                 unresolved_leases.c.sink_id == sink.id,
-                repo.unresolved_in(LeaseState.PRECOMMITTED, LeaseState.COMMITTING),
+                repo.unresolved_in(*recovery_rules.NEAR_TIMEOUT_STATES),
                 source=unresolved_leases,
             )
             now = self.clock.now_in(conn)

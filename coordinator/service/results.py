@@ -157,7 +157,8 @@ class SinkOverview:
     sink: Sink
     recent: list[tuple[Checkpoint, list[Attempt]]]  # its newest checkpoints, newest first
     last_committed: Checkpoint | None
-    unresolved: list[Lease]  # leases whose transactional ids may hold an open transaction
+    open_transactions: int  # leases whose transactional ids may hold an open transaction
+    near_timeout_candidates: list[Lease]  # of them, those recovery_rules.near_timeout looks at
 
 
 @dataclass(frozen=True)

@@ -218,19 +218,21 @@ class Views:
         return self.coordinator.clock.now()
 
     def _summary(self, sink: Sink, recent: Sequence[tuple[Checkpoint, Sequence[Attempt]]], last: Checkpoint | None,
-                 unresolved: list[Lease], now: datetime, broker: BrokerView) -> SinkSummary:
+                 open_transactions: int, unresolved: Sequence[Lease], now: datetime, broker: BrokerView) -> SinkSummary:
+        """`unresolved`: at least the sink's unresolved leases that sink_health's rules read."""
         health = sink_health(
             sink, recent, unresolved, now,
             stuck_partitions=len(broker.stuck), lingering=len(broker.lingering), thresholds=self.thresholds,
         )
         age = ms_between(last.committed_at, now) if last is not None and last.committed_at is not None else None
-        return SinkSummary(sink, health, last, age, len(unresolved), broker)
+        return SinkSummary(sink, health, last, age, open_transactions, broker)
 
     def overview(self) -> list[SinkSummary]:
         now = self.now()
         sinks = self.coordinator.sink_overviews(recent=5)  # a few queries for all sinks
         broker = self.broker.views([s.sink.name for s in sinks])
-        return [self._summary(s.sink, s.recent, s.last_committed, s.unresolved, now, broker[s.sink.name]) for s in sinks]
+        return [self._summary(s.sink, s.recent, s.last_committed, s.open_transactions, s.near_timeout_candidates, now,
+                              broker[s.sink.name]) for s in sinks]
 
     def sink_page(self, name: str) -> SinkPage:
         c = self.coordinator
@@ -244,7 +246,7 @@ class Views:
         committed = c.list_checkpoints(name, state=CheckpointState.COMMITTED, limit=1)
         return SinkPage(
             summary=self._summary(sink, [(b.checkpoint, b.attempts) for b in history], committed[0] if committed else None,
-                                  unresolved, now, self.broker.view(name)),
+                                  len(unresolved), unresolved, now, self.broker.view(name)),
             rows=rows,
             charts=charts(rows),
             bars=bars[:BARS_SHOWN],

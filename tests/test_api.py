@@ -195,8 +195,9 @@ def test_a_checkpoints_leases_come_in_pages_with_their_counts(admin: ProtocolCli
     w, gen, attempt = setup_attempt(admin)
     firsts = [w.lease(SINK, 0, attempt, gen, partition=p, task_attempt_id=p) for p in range(5)]
     retry = w.lease(SINK, 0, attempt, gen, partition=0, task_attempt_id=99)  # the loser of partition 0
-    for x in firsts:
+    for x in [*firsts, retry]:
         w.precommit(SINK, x["lease_id"], gen, producer_id=7000 + x["lease_id"])
+    assert w.checkpoint(SINK, 0)["records"] is None  # nothing decided yet
     assert w.commit(SINK, 0, attempt, gen, {x["partition"]: x["lease_id"] for x in firsts})["state"] == "COMMITTED"
     every = sorted(x["lease_id"] for x in [*firsts, retry])
 
@@ -211,6 +212,7 @@ def test_a_checkpoints_leases_come_in_pages_with_their_counts(admin: ProtocolCli
     assert listed == every and pages == 3
     whole = w.checkpoint(SINK, 0)  # the default page holds a thousand
     assert [x["lease_id"] for x in whole["leases"]] == every and whole["next_after_lease_id"] is None
+    assert (whole["records"], whole["bytes"]) == (5 * 10, 5 * 1000)  # the winners' sums, not the loser's
     aborted = w.request("GET", f"/v1/sinks/{SINK}/checkpoints/0", params={"lease_state": "ABORTED"})
     assert [x["lease_id"] for x in aborted["leases"]] == [retry["lease_id"]] and aborted["lease_counts"]["COMMITTED"] == 5
     for bad in ({"lease_state": "DONE"}, {"lease_limit": 0}, {"lease_limit": 1001}, {"after_lease_id": -1}):

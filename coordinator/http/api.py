@@ -47,7 +47,6 @@ from ..protocol.states import CheckpointState, LeaseState
 from .schemas import (
     AbortOut,
     AbortRequest,
-    AttemptOut,
     BeginCheckpointRequest,
     BeginOut,
     CheckpointDetailOut,
@@ -401,21 +400,14 @@ def create_app(
         after_lease_id: AfterLeaseId = 0,
         lease_limit: PageSize = 1000,
     ) -> CheckpointDetailOut:
-        """The checkpoint, its attempts, and its leases by id: at most lease_limit (of lease_state,
-        if given) after after_lease_id. lease_counts has its lease count by state; the next page
-        starts after next_after_lease_id (null: this page is the last). A wide batch has a lease
-        per partition and try."""
+        """The checkpoint, its attempts, what its decided attempt's winners wrote (records, bytes),
+        and its leases by id: at most lease_limit (of lease_state, if given) after after_lease_id.
+        lease_counts has its lease count by state; the next page starts after next_after_lease_id
+        (null: this page is the last). A wide batch has a lease per partition and try."""
         page = coordinator.checkpoint_leases(name, batch_id, state=lease_state, after_id=after_lease_id,
                                              limit=lease_limit)
-        d = coordinator.checkpoint_detail(name, batch_id, with_leases=False)  # after the page: its attempts are there
-        number = {a.id: a.number for a in d.attempts}
-        return CheckpointDetailOut(
-            checkpoint=CheckpointOut.of(d.checkpoint),
-            attempts=[AttemptOut.of(a) for a in d.attempts],
-            leases=[LeaseOut.of(x, number.get(x.attempt_id)) for x in page.leases],
-            lease_counts={state.value: n for state, n in sorted(page.by_state.items())},
-            next_after_lease_id=page.leases[-1].id if page.more else None,
-        )
+        # read after the page, so every listed lease's attempt is in it
+        return CheckpointDetailOut.of(coordinator.batch_summary(name, batch_id), page)
 
     @app.get("/v1/sinks/{name}/transactions/open", tags=["reads"], responses=ON_SINK)
     def open_transactions(name: SinkName, _: Writer) -> list[LeaseOut]:

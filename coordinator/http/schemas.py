@@ -18,7 +18,7 @@ from ..protocol.model import (
     PrecommitRecord,
     Sink,
 )
-from ..service import AbortOutcome, BeginResult, CommitResult
+from ..service import AbortOutcome, BatchSummary, BeginResult, CommitResult, LeasePage
 from .answers import answer_fields, json_text, millis
 from .input import (
     AbortReason,
@@ -434,9 +434,24 @@ class AbortOut(BaseModel):
 class CheckpointDetailOut(BaseModel):
     checkpoint: CheckpointOut
     attempts: list[AttemptOut]
+    records: int | None  # what the decided attempt's winners wrote; None until a commit is decided
+    bytes: int | None
     leases: list[LeaseOut]  # one page, by id
     lease_counts: dict[str, int]  # every lease of the checkpoint, by state
     next_after_lease_id: int | None  # the next page's after_lease_id; None: no more
+
+    @classmethod
+    def of(cls, batch: BatchSummary, page: LeasePage) -> CheckpointDetailOut:
+        number = {a.id: a.number for a in batch.attempts}
+        return cls(
+            checkpoint=CheckpointOut.of(batch.checkpoint),
+            attempts=[AttemptOut.of(a) for a in batch.attempts],
+            records=batch.records,
+            bytes=batch.bytes,
+            leases=[LeaseOut.of(x, number.get(x.attempt_id)) for x in page.leases],
+            lease_counts={state.value: n for state, n in sorted(page.by_state.items())},
+            next_after_lease_id=page.leases[-1].id if page.more else None,
+        )
 
 
 class EventOut(BaseModel):

@@ -45,16 +45,15 @@ class Reads(CoordinatorBase):
             rows = conn.execute(stmt.order_by(checkpoints.c.batch_id.desc()).limit(limit))
             return [repo.as_checkpoint(r) for r in rows]
 
-    def checkpoint_detail(self, name: str, batch_id: int, *, with_leases: bool = True) -> CheckpointDetail:
-        """The checkpoint, its attempts and, `with_leases`, every lease (a page of them:
-        checkpoint_leases)."""
+    def checkpoint_detail(self, name: str, batch_id: int) -> CheckpointDetail:
+        """The checkpoint, its attempts and every lease (a page of them: checkpoint_leases)."""
         with self.engine.connect() as conn:
             sink = repo.sink_by_name(conn, name)
             cp = repo.checkpoint_for(conn, sink, batch_id)
             return CheckpointDetail(
                 checkpoint=cp,
                 attempts=repo.attempts_of_checkpoint(conn, cp.id),
-                leases=repo.leases_where(conn, leases.c.checkpoint_id == cp.id) if with_leases else [],
+                leases=repo.leases_where(conn, leases.c.checkpoint_id == cp.id),
             )
 
     def possibly_open_transactions(self, name: str) -> list[Lease]:

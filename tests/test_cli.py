@@ -67,6 +67,20 @@ def test_operator_commands_against_a_running_service(service: ServiceProcess) ->
     committed = json.loads(run("checkpoints", "orders", "--state", "COMMITTED", "--json", url=url).stdout)
     assert [c["batch_id"] for c in committed] == [0]
 
+    out = run("checkpoint", "orders", "0", url=url)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["batch 0: COMMITTED (attempt 1 decided); 10 records, 1000 bytes", "leases: 1 COMMITTED"]
+    assert lines[3].split()[:3] == ["number", "state", "generation"] and lines[4].split()[:2] == ["1", "COMMITTED"]
+    out = run("checkpoint", "orders", "1", "--leases", url=url)
+    assert out.stdout.splitlines()[0] == "batch 1: OPEN; nothing decided yet", out.stderr
+    lease_row = out.stdout.splitlines()[-1].split()
+    assert lease_row[0] == str(open_lease["lease_id"]) and lease_row[5] == "PRECOMMITTED" and lease_row[8] == "7"
+    listed = json.loads(run("checkpoint", "orders", "1", "--lease-state", "COMMITTED", "--json",
+                            url=url).stdout)
+    assert listed["leases"] == [] and listed["lease_counts"] == {"PRECOMMITTED": 1}
+    assert run("checkpoint", "orders", "9", url=url).stderr.startswith("coordinator checkpoint: unknown_checkpoint")
+
     out = run("transactions", "orders", url=url)
     assert out.returncode == 0, out.stderr
     header, row = out.stdout.splitlines()
@@ -102,6 +116,15 @@ def test_operator_commands_against_a_running_service(service: ServiceProcess) ->
     assert out.returncode == 1 and "coordinator sinks: forbidden: this action needs the admin token" in out.stderr
     out = run("sinks", url=url, token=None)
     assert out.returncode == 1 and "COORDINATOR_ADMIN_TOKEN" in out.stderr
+
+    admin = service.client(ADMIN)  # a batch wider than one page of leases
+    try:
+        writer = admin.with_token(admin.request("POST", "/v1/sinks/orders/writer-token")["writer_token"])
+        writer.request("POST", "/v1/sinks/orders/checkpoints/2/begin", {"generation": gen, "partitions": 1001})
+    finally:
+        admin.close()
+    wide = json.loads(run("checkpoint", "orders", "2", "--leases", "--json", url=url).stdout)
+    assert [x["partition"] for x in wide["leases"]] == list(range(1001)) and wide["lease_counts"] == {"LEASED": 1001}
 
 
 def test_an_answer_that_is_not_the_coordinators_is_one_clear_line() -> None:
@@ -298,6 +321,9 @@ def test_prune_history_deletes_old_batches_history_chunk_by_chunk(service: Servi
         (2, "COMMITTED", False), (1, "COMMITTED", True), (0, "COMMITTED", True)]
     out = run("commit", "orders", "0", url=url)
     assert out.returncode == 1 and "coordinator commit: history_pruned: batch 0 committed at" in out.stderr
+    out = run("checkpoint", "orders", "0", url=url)
+    assert out.stdout.startswith("batch 0: COMMITTED (attempt 1 decided); history pruned at "), out.stderr
+    assert "leases: none" in out.stdout
 
     again = run("prune-history", "--older-than", "2h", "--sink", "orders", url=url)
     assert again.returncode == 0 and again.stdout.startswith("0 committed batch(es) of sink orders"), again.stderr

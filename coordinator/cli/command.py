@@ -4,7 +4,7 @@
   quickstart            a local end-to-end run: embedded Postgres, a real Kafka node, the coordinator,
                         the example Spark pipeline, a read_committed check and a summary
   doctor                check the database, migrations, Kafka and the sinks' settings (coordinator/cli/doctor.py)
-  sinks, checkpoints, transactions, commit, abort, acknowledge, retire, prune-history
+  sinks, checkpoints, checkpoint, transactions, commit, abort, acknowledge, retire, prune-history
                         operator commands against a running coordinator (HTTP, admin token; cli/operator_commands.py)
   kafka abort-transaction, kafka commit-transaction
                         act on one Kafka transaction directly, outside the coordinator's bookkeeping
@@ -24,10 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..protocol.states import LeaseState
 from .kafka_commands import kafka_cmd
 from .operator_commands import (
     abort_cmd,
     acknowledge_cmd,
+    checkpoint_cmd,
     checkpoints_cmd,
     chunk_size,
     commit_cmd,
@@ -257,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("sink", type=_arg("SinkName"))
     q.add_argument("--state", choices=["OPEN", "COMMITTING", "COMMITTED", "LOST"])
     q.add_argument("--limit", type=_arg("PageSize"), default=50)
+    q = operator("checkpoint", checkpoint_cmd, "one batch: its state, what it wrote, its attempts and leases")
+    q.add_argument("sink", type=_arg("SinkName"))
+    q.add_argument("batch_id", type=_arg("BatchId"))
+    q.add_argument("--leases", action="store_true", help="list its leases too (every page)")
+    q.add_argument("--lease-state", choices=[s.value for s in LeaseState], help="list its leases in this state")
     q = operator("transactions", transactions_cmd, "list a sink's possibly open transactions, with age vs timeout")
     q.add_argument("sink", type=_arg("SinkName"))
     q = operator("commit", commit_cmd, "finish a decided commit (resume); answers from the record if finished")

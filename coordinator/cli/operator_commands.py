@@ -1,4 +1,4 @@
-"""The operator commands (`coordinator sinks|checkpoints|transactions|commit|abort|acknowledge|retire|
+"""The operator commands (`coordinator sinks|checkpoints|checkpoint|transactions|commit|abort|acknowledge|retire|
 prune-history`): a few REST API v1 calls against a running coordinator with the admin token,
 printed as a table or as the API's JSON."""
 
@@ -116,6 +116,36 @@ def checkpoints_cmd(args: argparse.Namespace) -> tuple[Any, str]:
     data = _api(args).call("GET", f"/v1/sinks/{_segment(args.sink)}/checkpoints", state=args.state, limit=args.limit)
     return data, _table(data, ["batch_id", "state", "current_attempt", "committed_attempt", "created_at",
                                "committed_at", "lost_reason"])
+
+
+def checkpoint_cmd(args: argparse.Namespace) -> tuple[Any, str]:
+    """One batch: its state, what its winners wrote, its attempts and its lease count by state;
+    with --leases or --lease-state, its leases too (of that state), every page of them."""
+    api, path = _api(args), f"/v1/sinks/{_segment(args.sink)}/checkpoints/{args.batch_id}"
+    listing = args.leases or args.lease_state is not None
+    data = api.call("GET", path, lease_state=args.lease_state, lease_limit=1000 if listing else 1)
+    if listing:
+        while data["next_after_lease_id"] is not None:
+            page = api.call("GET", path, lease_state=args.lease_state,
+                            after_lease_id=data["next_after_lease_id"])
+            data = {**page, "leases": data["leases"] + page["leases"]}
+    else:
+        data = {**data, "leases": []}
+    data.pop("next_after_lease_id")
+    cp = data["checkpoint"]
+    wrote = (f"{data['records']} records, {data['bytes']} bytes" if data["records"] is not None
+             else f"history pruned at {cp['history_pruned_at']}" if cp.get("history_pruned_at") else "nothing decided yet")
+    decided = f" (attempt {cp['committed_attempt']} decided)" if cp["committed_attempt"] else ""
+    lines = [f"batch {cp['batch_id']}: {cp['state']}{decided}; {wrote}",
+             "leases: " + (", ".join(f"{n} {state}" for state, n in data["lease_counts"].items()) or "none"),
+             "", _table(data["attempts"], ["number", "state", "generation", "partitions", "started_at", "decided_at",
+                                           "finished_at", "abort_reason"])]
+    if cp.get("lost_reason"):
+        lines.insert(1, f"lost: {cp['lost_reason']}")
+    if listing:
+        lines += ["", _table(data["leases"], ["lease_id", "attempt", "partition", "task_attempt_id", "transactional_id",
+                                              "state", "producer_id", "producer_epoch", "records", "bytes"])]
+    return data, "\n".join(lines)
 
 
 def transactions_cmd(args: argparse.Namespace) -> tuple[Any, str]:

@@ -434,7 +434,7 @@ class AbortOut(BaseModel):
 class CheckpointDetailOut(BaseModel):
     checkpoint: CheckpointOut
     attempts: list[AttemptOut]
-    records: int | None  # what the decided attempt's winners wrote; None until a commit is decided
+    records: int | None  # what the decided attempt's winners wrote; None: not decided, or history pruned
     bytes: int | None
     leases: list[LeaseOut]  # one page, by id
     lease_counts: dict[str, int]  # every lease of the checkpoint, by state

@@ -131,6 +131,7 @@ def test_queries_for_unresolved_leases_use_the_partial_index(coordinator: Coordi
         "abort_expired_leases": lambda: coordinator.abort_expired_leases(NAME),
         "warn_near_timeout": lambda: coordinator.warn_near_timeout(NAME),
         "sink_overviews": coordinator.sink_overviews,
+        "open_transactions_in_brief": lambda: coordinator.open_transactions_in_brief(NAME, 50),
         "retire_sink": retire,
         "metrics": lambda: list(DatabaseCollector(engine, ttl_s=0).collect()),
     }

@@ -1043,6 +1043,23 @@ def test_sink_overviews_answer_as_the_per_sink_reads(coordinator: Coordinator, k
     assert orders.open_transactions == 1 and len(orders.near_timeout_candidates) == 1
 
 
+def test_open_transactions_in_brief_count_all_and_load_the_oldest_and_the_deciding(
+        coordinator: Coordinator, clock: ManualClock) -> None:
+    """A sink page's read: the count of possibly open transactions, the `oldest` of them by lease
+    time, and every one the near-timeout rule reads, without loading a wide batch's first tries."""
+    c = coordinator
+    gen = start(c)
+    begun = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=40)
+    clock.advance(ms=1_000)
+    retry = lease_and_precommit(c, 0, begun.attempt.number, gen, 3, 77)  # leased a second later: the newest
+    brief = c.open_transactions_in_brief(NAME, 5)
+    every = c.possibly_open_transactions(NAME)
+    assert brief.count == len(every) == 41
+    assert brief.oldest == sorted(every, key=lambda x: (x.leased_at, x.id))[:5] == begun.pre_leases[:5]
+    assert brief.near_timeout_candidates == [retry]
+    assert c.open_transactions_in_brief(NAME, 50).oldest[-1] == retry
+
+
 def test_a_pass_over_kafka_stops_starting_calls_once_the_broker_answered_none(engine: Engine) -> None:
     """A broker that does not answer costs each call its whole retry budget (8 s): 4,096 winners,
     16 at a time, would hold a commit call or the recovery loop for 34 minutes. Once one call got

@@ -15,7 +15,7 @@ from ..protocol.states import UNRESOLVED_LEASE_STATES, WINNING_LEASE_STATES, Che
 from ..store import repo
 from ..store.tables import attempt_columns, attempts, checkpoints, events, leases, sinks, transactional_ids, unresolved_leases
 from .base import CoordinatorBase
-from .results import BatchSummary, CheckpointDetail, LeasePage, PoolUsage, SinkOverview
+from .results import BatchSummary, CheckpointDetail, LeasePage, OpenTransactions, PoolUsage, SinkOverview
 
 
 class Reads(CoordinatorBase):
@@ -64,6 +64,22 @@ class Reads(CoordinatorBase):
                 conn, unresolved_leases.c.sink_id == sink.id, repo.unresolved_in(*UNRESOLVED_LEASE_STATES),
                 source=unresolved_leases,
             )
+
+    def open_transactions_in_brief(self, name: str, oldest: int) -> OpenTransactions:
+        """How many of the sink's transactional ids may hold an open transaction, the `oldest` of
+        their leases (the nearest their timeout) and those the near-timeout rule reads: a sink
+        page's, without loading the thousands of first tries of a wide batch in flight."""
+        with self.engine.connect() as conn:
+            sink = repo.sink_by_name(conn, name)
+            mine = (unresolved_leases.c.sink_id == sink.id, repo.unresolved_in(*UNRESOLVED_LEASE_STATES))
+            count = conn.execute(select(func.count()).select_from(unresolved_leases).where(*mine)).scalar_one()
+            shown = [repo.as_lease(r) for r in conn.execute(
+                select(unresolved_leases).where(*mine)
+                .order_by(unresolved_leases.c.leased_at, unresolved_leases.c.id).limit(oldest))]
+            candidates = repo.leases_where(conn, unresolved_leases.c.sink_id == sink.id,
+                                           repo.unresolved_in(*recovery_rules.NEAR_TIMEOUT_STATES),
+                                           source=unresolved_leases)
+        return OpenTransactions(count, shown, candidates)
 
     def list_events(
         self, name: str, *, after_id: int = 0, batch_id: int | None = None, limit: int = 100

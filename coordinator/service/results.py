@@ -162,6 +162,15 @@ class SinkOverview:
 
 
 @dataclass(frozen=True)
+class OpenTransactions:
+    """A sink's possibly open transactions in brief (Reads.open_transactions_in_brief)."""
+
+    count: int
+    oldest: list[Lease]  # the first few, by lease time: the nearest their timeout
+    near_timeout_candidates: list[Lease]  # all of them that recovery_rules.near_timeout looks at
+
+
+@dataclass(frozen=True)
 class PoolUsage:
     size: int  # transactional ids created so far (the pool grows on demand)
     leased: int  # of them held by an unresolved lease

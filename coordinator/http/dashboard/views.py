@@ -239,18 +239,18 @@ class Views:
         sink = c.get_sink(name)
         now = self.now()
         history = self._history(name)
-        unresolved = c.possibly_open_transactions(name)
+        open_ = c.open_transactions_in_brief(name, BARS_SHOWN)
         rows = [batch_row(b) for b in history]
-        bars = timeout_bars(unresolved, now, sink.transaction_timeout_ms, self.thresholds.near_timeout_fraction)
+        bars = timeout_bars(open_.oldest, now, sink.transaction_timeout_ms, self.thresholds.near_timeout_fraction)
         events = c.recent_events(name, EVENTS)
         committed = c.list_checkpoints(name, state=CheckpointState.COMMITTED, limit=1)
         return SinkPage(
             summary=self._summary(sink, [(b.checkpoint, b.attempts) for b in history], committed[0] if committed else None,
-                                  len(unresolved), unresolved, now, self.broker.view(name)),
+                                  open_.count, open_.near_timeout_candidates, now, self.broker.view(name)),
             rows=rows,
             charts=charts(rows),
-            bars=bars[:BARS_SHOWN],
-            open_transactions=len(bars),
+            bars=bars,
+            open_transactions=open_.count,
             pool=c.pool_usage(name),
             events=events,
         )

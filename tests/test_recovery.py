@@ -28,7 +28,7 @@ from coordinator.kafka.control_plane import (
 from coordinator.protocol import errors as e
 from coordinator.protocol import recovery_rules, rules
 from coordinator.protocol.invariants import check_invariants
-from coordinator.protocol.model import Lease
+from coordinator.protocol.model import Lease, PrecommitRecord
 from coordinator.protocol.model import PartitionResult as PR
 from coordinator.protocol.rules import BeginAction, PrecommitRequest
 from coordinator.protocol.states import (
@@ -436,6 +436,29 @@ def test_a_wide_batch_past_80_percent_is_one_event_and_a_later_one_another(
     warnings = [x for x in c.list_events(NAME, limit=1000) if x["kind"] == "transaction_near_timeout"]
     assert [x["detail"]["count"] for x in warnings] == [len(early), 1]
     assert warnings[1]["detail"]["leases"][0][:4] == [late.id, 30, late.transactional_id, "PRECOMMITTED"]
+
+
+def test_first_tries_near_their_timeout_are_warned_once_whatever_their_ids(
+    coordinator: Coordinator, kafka: RecordingControlPlane, clock: ManualClock, loop: RecoveryLoop
+) -> None:
+    """A first try's lease id encodes its attempt's (far beyond 32 bits): the check for warnings
+    already given read lease ids as integers and failed on every pass after the first."""
+    c = coordinator
+    gen = start(c)
+    begun = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=2)
+    firsts = begun.pre_leases
+    assert min(x.id for x in firsts) > 2**31
+    kafka.fail_next(UNREACHABLE, times=1000)  # the commit is decided, Kafka does not answer: COMMITTING
+    with pytest.raises(e.Unavailable):
+        c.commit(NAME, 0, begun.attempt.number, gen,
+                 [PR(x.partition, x.id, PrecommitRecord(500 + x.partition, 0, 5, 50)) for x in firsts], ACTOR)
+    clock.advance(ms=int(TIMEOUT_MS * 0.8))
+    first = loop.run_once().sinks[NAME]
+    assert first.warned == [x.transactional_id for x in firsts] and "near_timeout" not in first.errors
+    clock.advance(ms=1_000)
+    again = loop.run_once().sinks[NAME]
+    assert "near_timeout" not in again.errors and again.warned == [] and len(again.near_timeout) == 2
+    kafka.clear_failures()
 
 
 def test_a_warning_recorded_one_lease_per_event_still_counts(

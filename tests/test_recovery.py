@@ -461,6 +461,37 @@ def test_first_tries_near_their_timeout_are_warned_once_whatever_their_ids(
     kafka.clear_failures()
 
 
+def test_every_step_of_the_loop_works_on_first_tries(
+    coordinator: Coordinator, kafka: RecordingControlPlane, clock: ManualClock, loop: RecoveryLoop
+) -> None:
+    """The two-call protocol's common path: leases that are first tries on their attempt's row,
+    with ids beyond 32 bits. The sweep finds their open transactions explained, an abandoned
+    batch's are aborted once they can no longer pass the commit gate, a decided batch's are
+    committed once Kafka answers, and no step fails on the way."""
+    c = coordinator
+    gen = start(c)
+    abandoned = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=2).pre_leases
+    kafka.open_transactions = [open_txn(x.transactional_id) for x in abandoned]  # the tasks are writing
+    r = loop.run_once().sinks[NAME]
+    assert r.errors == {} and r.lingering_found == [] and r.expired == []  # their leases explain them
+    clock.advance(ms=TIMEOUT_MS - MARGIN_MS + 1)  # past the commit gate: the driver is gone
+    r = loop.run_once().sinks[NAME]
+    assert r.errors == {} and sorted(r.expired) == sorted(r.aborted) == sorted(x.transactional_id for x in abandoned)
+    assert {x.id: states(c)[x.id] for x in abandoned} == {x.id: LeaseState.ABORTED for x in abandoned}
+
+    kafka.open_transactions = []
+    begun = c.begin_checkpoint(NAME, 1, gen, ACTOR, partitions=2)
+    kafka.fail_next(UNREACHABLE, times=1000)
+    with pytest.raises(e.Unavailable):
+        c.commit(NAME, 1, begun.attempt.number, gen,
+                 [PR(x.partition, x.id, PrecommitRecord(600 + x.partition, 0, 5, 50)) for x in begun.pre_leases], ACTOR)
+    kafka.clear_failures()  # the broker is back
+    r = loop.run_once().sinks[NAME]
+    assert r.errors == {} and r.committed == [1]
+    assert {states(c)[x.id] for x in begun.pre_leases} == {LeaseState.COMMITTED}
+    assert_invariants(c)
+
+
 def test_a_warning_recorded_one_lease_per_event_still_counts(
     coordinator: Coordinator, engine: Engine, clock: ManualClock, loop: RecoveryLoop
 ) -> None:

@@ -359,6 +359,28 @@ def test_checker_catches_a_coordinator_that_never_aborts_on_kafka(engine: Engine
         found.report()
 
 
+def test_checker_catches_a_recovery_step_that_fails_on_first_tries(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails on the common path's first tries, whose lease ids are beyond 32 bits (the
+    near-timeout step read them as 32-bit integers and failed on every pass after a warning; the
+    schedules do not reach that step, so the pending aborts stand in). Its transactions may still
+    end (Spark retries, the broker's timeout), so the invariants need not break: the checker flags
+    a step error that no injected fault explains."""
+    from coordinator.service.recovery_operations import RecoveryOperations
+
+    original = RecoveryOperations.run_pending_aborts
+
+    def int32_ids(self, name):  # type: ignore[no-untyped-def]
+        if any(x.id >= 2**31 for x in self.possibly_open_transactions(name) if x.state.value.endswith("ABORTING")):
+            raise ValueError("value out of range for type integer")
+        return original(self, name)
+
+    monkeypatch.setattr(RecoveryOperations, "run_pending_aborts", int32_ids)
+    found = first_violation(engine, FaultConfig(), range(6000, 6040))
+    assert found is not None, "no violation within 40 seeds"
+    assert any(v.startswith("RECOVERY: step pending_aborts failed with what no fault explains: ValueError")
+               for v in found.violations), found.report()
+
+
 # --- (e) issue 15: each finding as a fault kind -----------------------------------------------------
 
 

@@ -91,6 +91,17 @@ def kinds(c: Coordinator, name: str = NAME) -> list[str]:
     return [ev["kind"] for ev in c.list_events(name, limit=1000)]
 
 
+def decided_on_a_silent_broker(c: Coordinator, kafka: RecordingControlPlane, gen: int, batch: int) -> list[Lease]:
+    """A two-partition batch on the common path (first tries on the attempt's row), its commit
+    decided while the broker answers nothing (it stays so until kafka.clear_failures()): COMMITTING."""
+    begun = c.begin_checkpoint(NAME, batch, gen, ACTOR, partitions=2)
+    kafka.fail_next(UNREACHABLE, times=1000)
+    with pytest.raises(e.Unavailable):
+        c.commit(NAME, batch, begun.attempt.number, gen,
+                 [PR(x.partition, x.id, PrecommitRecord(500 + x.partition, 0, 5, 50)) for x in begun.pre_leases], ACTOR)
+    return begun.pre_leases
+
+
 def assert_invariants(c: Coordinator, *, settled: bool = True) -> None:
     violations = check_invariants(c.snapshot(), settled=settled)
     assert violations == [], [str(v) for v in violations]
@@ -445,13 +456,8 @@ def test_first_tries_near_their_timeout_are_warned_once_whatever_their_ids(
     already given read lease ids as integers and failed on every pass after the first."""
     c = coordinator
     gen = start(c)
-    begun = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=2)
-    firsts = begun.pre_leases
+    firsts = decided_on_a_silent_broker(c, kafka, gen, 0)
     assert min(x.id for x in firsts) > 2**31
-    kafka.fail_next(UNREACHABLE, times=1000)  # the commit is decided, Kafka does not answer: COMMITTING
-    with pytest.raises(e.Unavailable):
-        c.commit(NAME, 0, begun.attempt.number, gen,
-                 [PR(x.partition, x.id, PrecommitRecord(500 + x.partition, 0, 5, 50)) for x in firsts], ACTOR)
     clock.advance(ms=int(TIMEOUT_MS * 0.8))
     first = loop.run_once().sinks[NAME]
     assert first.warned == [x.transactional_id for x in firsts] and "near_timeout" not in first.errors
@@ -480,15 +486,11 @@ def test_every_step_of_the_loop_works_on_first_tries(
     assert {x.id: states(c)[x.id] for x in abandoned} == {x.id: LeaseState.ABORTED for x in abandoned}
 
     kafka.open_transactions = []
-    begun = c.begin_checkpoint(NAME, 1, gen, ACTOR, partitions=2)
-    kafka.fail_next(UNREACHABLE, times=1000)
-    with pytest.raises(e.Unavailable):
-        c.commit(NAME, 1, begun.attempt.number, gen,
-                 [PR(x.partition, x.id, PrecommitRecord(600 + x.partition, 0, 5, 50)) for x in begun.pre_leases], ACTOR)
+    decided = decided_on_a_silent_broker(c, kafka, gen, 1)
     kafka.clear_failures()  # the broker is back
     r = loop.run_once().sinks[NAME]
     assert r.errors == {} and r.committed == [1]
-    assert {states(c)[x.id] for x in begun.pre_leases} == {LeaseState.COMMITTED}
+    assert {states(c)[x.id] for x in decided} == {LeaseState.COMMITTED}
     assert_invariants(c)
 
 

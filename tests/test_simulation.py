@@ -365,12 +365,13 @@ def test_checker_catches_a_recovery_step_that_fails_on_first_tries(engine: Engin
     schedules do not reach that step, so the pending aborts stand in). Its transactions may still
     end (Spark retries, the broker's timeout), so the invariants need not break: the checker flags
     a step error that no injected fault explains."""
+    from coordinator.protocol.states import ABORT_PENDING_STATES
     from coordinator.service.recovery_operations import RecoveryOperations
 
     original = RecoveryOperations.run_pending_aborts
 
     def int32_ids(self, name):  # type: ignore[no-untyped-def]
-        if any(x.id >= 2**31 for x in self.possibly_open_transactions(name) if x.state.value.endswith("ABORTING")):
+        if any(x.id >= 2**31 for x in self.possibly_open_transactions(name) if x.state in ABORT_PENDING_STATES):
             raise ValueError("value out of range for type integer")
         return original(self, name)
 

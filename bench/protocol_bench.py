@@ -10,7 +10,11 @@ partition.) Many simulated drivers run batches back to back, one sink each (a qu
 micro-batch at a time per sink). Modes:
   inprocess  the drivers call `Coordinator` directly: the coordinator's logic and Postgres only;
   http       a real `coordinator serve` (uvicorn, --workers, as deployed) with
-             COORDINATOR_KAFKA_CONTROL_PLANE=none, driven by keep-alive HTTP/1.1 connections.
+             COORDINATOR_KAFKA_CONTROL_PLANE=none, driven by keep-alive HTTP/1.1 connections;
+  stack-floor  the same load against bench/stack_floor.py's bare server: the same stack (uvicorn as
+             deployed, libpq, Postgres) doing only a batch's durable writes. It runs with the HTTP
+             mode by default (--no-stack-floor: not), and `ratio P=… http/stack-floor` says how far
+             the coordinator is from what the stack allows on this host, in the same run.
 
 First the floor: what one Python process gets from the same Postgres without the coordinator
 (raw psycopg one-row update transactions/s). Then one run per (mode, shape); the report is printed
@@ -21,7 +25,7 @@ last, ending with one `key=value` line per run and the P=2 http line as the very
 cpu_ms_per_batch is the coordinator's CPU (the uvicorn processes; in process, the load processes,
 which also run the drivers) plus Postgres', from /proc, per batch; p99_ms is the worst call's p99.
 
-    python bench/protocol_bench.py                               # both modes, P=2, 64, 200 (~3 min)
+    python bench/protocol_bench.py                               # both modes and the floor, P=2, 64, 200 (~4 min)
     python bench/protocol_bench.py --mode http --seconds 10 --shape 2:16
     python bench/protocol_bench.py --mode http --shape 2:24 --rate 150   # latencies at a paced load
     python bench/protocol_bench.py --database-url postgresql://u:p@host/db
@@ -46,10 +50,22 @@ for p in (str(BENCH), str(ROOT)):  # `python bench/protocol_bench.py` from a che
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from measure import figure_line, floor, log, pg_settings, seed_history, start_embedded_postgres, statement_cost  # noqa: E402
+import stack_floor  # noqa: E402
+from measure import (  # noqa: E402
+    figure_line,
+    floor,
+    log,
+    pg_settings,
+    plain_url,
+    seed_history,
+    start_embedded_postgres,
+    statement_cost,
+)
 from protocol_clients import Server, register_http, register_inprocess, sink_names  # noqa: E402
 from protocol_load import CALLS, check_record, run_load, split  # noqa: E402
 
+STACK_FLOOR = "stack-floor"  # the mode of the stack floor's runs (bench/stack_floor.py)
+FLOOR_CONNECTIONS = 8  # Postgres connections of each of the floor server's workers
 GOAL_BATCHES_PER_S = 1000.0  # two-partition batches per second over HTTP, the target on this machine
 
 
@@ -63,7 +79,7 @@ def cpu_ms(r: dict[str, Any]) -> dict[str, float | None]:
     if not r["rate"]:
         return {"coordinator": None, "postgres": None, "clients": None}
     cpu, per = r["cpu"], 1000.0 / r["rate"]
-    if r["mode"] == "http":
+    if r["mode"] in ("http", STACK_FLOOR):
         return {"coordinator": cpu["server"] * per, "postgres": cpu["postgres"] * per, "clients": cpu["bench"] * per}
     return {"coordinator": cpu["bench"] * per, "postgres": cpu["postgres"] * per, "clients": None}
 
@@ -121,7 +137,8 @@ def print_run(r: dict[str, Any]) -> None:
     ms = cpu_ms(r)
     if ms["coordinator"] is not None:
         clients = f" (+ HTTP clients {ms['clients']:.1f} ms)" if ms["clients"] is not None else ""
-        print(f"CPU per batch: coordinator {ms['coordinator']:.2f} ms + Postgres {ms['postgres']:.2f} ms{clients}")
+        server = "the floor's server" if r["mode"] == STACK_FLOOR else "coordinator"
+        print(f"CPU per batch: {server} {ms['coordinator']:.2f} ms + Postgres {ms['postgres']:.2f} ms{clients}")
     if r.get("db_sessions"):
         print("Postgres sessions, mean count by state: " + ", ".join(f"{k} {v:.1f}" for k, v in r["db_sessions"].items()))
     if r.get("first_cycle_ms"):
@@ -129,13 +146,19 @@ def print_run(r: dict[str, Any]) -> None:
         print(f"first batch per driver (unmeasured; grows the id pool from empty): median {f[len(f) // 2]:.0f} ms, "
               f"max {f[-1]:.0f} ms")
     rec = r["record"]
-    ok = rec["committed_checkpoints"] == rec["cycles_completed_by_drivers"] and not rec["leases_not_committed"] \
-        and not rec["attempts_not_committed"]
+    if r["mode"] == STACK_FLOOR:
+        ok = rec["ok"]
+        print(f"record check: {'ok' if ok else 'MISMATCH'} ({rec['committed_batches']} COMMITTED batches of the "
+              f"floor for {rec['cycles_completed_by_drivers']} completed batches, {rec['batches_not_committed']} "
+              "not COMMITTED)")
+    else:
+        ok = rec["committed_checkpoints"] == rec["cycles_completed_by_drivers"] and not rec["leases_not_committed"] \
+            and not rec["attempts_not_committed"]
+        print(f"record check: {'ok' if ok else 'MISMATCH'} ({rec['committed_checkpoints']} COMMITTED checkpoints for "
+              f"{rec['cycles_completed_by_drivers']} completed batches, {rec['attempts_not_committed']} attempts and "
+              f"{rec['leases_not_committed']} leases not COMMITTED; id pool per sink "
+              f"{rec['pool_size_min']}-{rec['pool_size_max']})")
     r["record_ok"] = ok
-    print(f"record check: {'ok' if ok else 'MISMATCH'} ({rec['committed_checkpoints']} COMMITTED checkpoints for "
-          f"{rec['cycles_completed_by_drivers']} completed batches, {rec['attempts_not_committed']} attempts and "
-          f"{rec['leases_not_committed']} leases not COMMITTED; id pool per sink "
-          f"{rec['pool_size_min']}-{rec['pool_size_max']})")
     errs = sum(r["errors"].values())
     print(f"errors: {errs}" + (f" {r['errors']}" if errs else ""))
     for ex in r["error_examples"]:
@@ -164,7 +187,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10, help="measured seconds per (mode, shape) (default 10)")
     ap.add_argument("--warmup", type=float, default=2, help="unmeasured seconds before each window (default 2)")
-    ap.add_argument("--mode", choices=("inprocess", "http", "both"), default="both")
+    ap.add_argument("--mode", choices=("inprocess", "http", "both", STACK_FLOOR), default="both",
+                    help=f"both: in process and over HTTP; {STACK_FLOOR}: the stack floor's server alone (default both)")
+    ap.add_argument("--stack-floor", action=argparse.BooleanOptionalAction, default=None,
+                    help="also run each shape against the stack floor's server (bench/stack_floor.py: the same load "
+                         "on the same stack with only a batch's durable writes), for the coordinator's ratio to it "
+                         "(default: whenever the HTTP mode runs)")
     ap.add_argument("--database-url", help="use this Postgres (migrated in place) instead of an embedded one")
     ap.add_argument("--shape", type=parse_shape, action="append",
                     help="PARTITIONS:DRIVERS, repeatable (default 2:12, 64:4 and 200:1)")
@@ -202,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shapes = args.shape or [(2, 12), (64, 4), (200, 1)]
     modes = ["inprocess", "http"] if args.mode == "both" else [args.mode]
+    if (args.stack_floor if args.stack_floor is not None else "http" in modes) and STACK_FLOOR not in modes:
+        modes.append(STACK_FLOOR)
     tag = secrets.token_hex(3)
     tmp = Path(tempfile.mkdtemp(prefix="protocol-bench-"))
     os.chmod(tmp, 0o755)  # the embedded server runs as user pgserver when we are root
@@ -236,19 +266,29 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "http":
                     log(f"starting coordinator serve --workers {args.workers}")
                     server = Server(url, args.workers, args.pool_size, args.server_log_level, tmp / "server.log")
+                elif mode == STACK_FLOOR:
+                    log(f"starting the stack floor's server (bench/stack_floor.py) --workers {args.workers}")
+                    stack_floor.create_schema(plain_url(url))
+                    server = stack_floor.FloorServer(plain_url(url), args.workers, FLOOR_CONNECTIONS,
+                                                     tmp / "stack-floor.log")
                 for partitions, drivers in shapes:
                     names = sink_names(tag, mode, partitions, drivers)
-                    sinks = register_inprocess(url, names) if server is None else \
-                        register_http(server.base_url, server.admin_token, names)
+                    if mode == STACK_FLOOR:
+                        sinks = stack_floor.register(plain_url(url), names, partitions)
+                    elif server is None:
+                        sinks = register_inprocess(url, names)
+                    else:
+                        sinks = register_http(server.base_url, server.admin_token, names)
                     jobs, first = [], 0
                     for n in split(drivers, min(args.procs, drivers)):
-                        jobs.append({"mode": mode, "url": url, "pool_size": args.pool_size, "partitions": partitions,
+                        jobs.append({"mode": "inprocess" if mode == "inprocess" else "http", "url": url, "pool_size": args.pool_size, "partitions": partitions,
                                      "topic_partitions": args.topic_partitions,
                                      "sinks": sinks[first:first + n], "first_driver": first,
                                      "rate": args.rate, "drivers": drivers,
                                      "base_url": server.base_url if server else None})
                         first += n
-                    label = (f"{mode}, P={partitions}, {drivers} drivers x {partitions} executors"
+                    label = (f"{'stack floor' if mode == STACK_FLOOR else mode}, P={partitions}, {drivers} drivers x "
+                             f"{partitions} executors"
                              + (f", {args.workers} uvicorn workers" if server else "") + f", {len(jobs)} load procs"
                              + (f", paced at {args.rate:g} batches/s" if args.rate else ""))
                     log(f"run: {label}")
@@ -256,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                                  progress_every=args.progress_every, url=url,
                                  server_pid=server.proc.pid if server else None, postgres_pid=postgres_pid)
                     r.update(mode=mode, partitions=partitions, drivers=drivers, target_rate=args.rate)
-                    r["record"] = check_record(url, names, r["cycles_total"] + len(r["first_cycle_ms"]))
+                    completed = r["cycles_total"] + len(r["first_cycle_ms"])
+                    r["record"] = stack_floor.check_record(plain_url(url), names, completed) \
+                        if mode == STACK_FLOOR else check_record(url, names, completed)
                     results.append(r)
                     log(f"  -> {r['rate']:.1f} batches/s, errors {sum(r['errors'].values())}")
             finally:
@@ -284,6 +326,17 @@ def main(argv: list[str] | None = None) -> int:
             # how many of the floor's one-row transactions a batch costs, in time
             print(figure_line(f"ratio P={r['partitions']} {r['mode']}",
                               floor_tx_per_batch=floor_figures["update_tx_per_s"] / r["rate"] if r["rate"] else None))
+    floors = {r["partitions"]: r for r in results if r["mode"] == STACK_FLOOR and r["rate"]}
+    for r in results:
+        f = floors.get(r["partitions"])
+        if r["mode"] == "http" and f and r["rate"]:
+            # the coordinator against the stack's floor on the same host, in the same run
+            ours, bound = cpu_ms(r), cpu_ms(f)
+            print(figure_line(f"ratio P={r['partitions']} http/stack-floor",
+                              cpu_per_batch=(ours["coordinator"] + ours["postgres"]) / (bound["coordinator"] + bound["postgres"]),
+                              coordinator_cpu=ours["coordinator"] / bound["coordinator"],
+                              postgres_cpu=ours["postgres"] / bound["postgres"],
+                              batches_per_s=r["rate"] / f["rate"]))
     # P=2 over HTTP last: the line the goal is read from
     for r in sorted(results, key=lambda r: (r["partitions"] == 2 and r["mode"] == "http", r["mode"], r["partitions"])):
         print(summary_line(r))

@@ -39,11 +39,57 @@ def test_protocol_bench_runs_both_modes_and_prints_its_figure_lines(database_url
         assert float(f["p99_ms"]) > 0, f
         assert f["errors"] == "0", f
         assert float(figures[f"ratio {run}"]["floor_tx_per_batch"]) > 0
+    # the same load against the stack floor's bare server, and the coordinator's ratio to it
+    f = figures["P=2 stack-floor"]
+    assert float(f["batches_per_s"]) > 0 and float(f["cpu_ms_per_batch"]) > 0 and f["errors"] == "0", f
+    assert f["calls_per_batch"] == figures["P=2 http"]["calls_per_batch"]
+    ratio = figures["ratio P=2 http/stack-floor"]
+    assert all(float(ratio[k]) > 0 for k in ("cpu_per_batch", "coordinator_cpu", "postgres_cpu", "batches_per_s")), ratio
+    assert "COMMITTED batches of the floor" in out.stdout
     # both clients make the same protocol calls; in process the engine's hooks count statements
     assert figures["P=2 inprocess"]["calls_per_batch"] == figures["P=2 http"]["calls_per_batch"]
     assert float(figures["P=2 inprocess"]["statements_per_batch"]) >= float(figures["P=2 inprocess"]["calls_per_batch"])
     assert lines[-1].startswith("P=2 http batches_per_s=")
     assert "record check: ok" in out.stdout and "MISMATCH" not in out.stdout
+
+
+def test_stack_floor_serves_the_benchmarks_load_and_its_record_check_sees_what_it_wrote(
+    database_url: str, tmp_path: Path
+) -> None:
+    """The floor's server answers the load's calls as the coordinator does, writes each batch
+    COMMITTED, and refuses what is not its one happy path; its record check fails on a batch left
+    undecided and on a batch the drivers saw complete that it did not write."""
+    import stack_floor
+    from protocol_clients import HttpSink, Rejected
+
+    url = measure.plain_url(database_url)
+    stack_floor.create_schema(url)
+    (sink,) = stack_floor.register(url, ["floor-a"], 3)
+    server = stack_floor.FloorServer(url, 1, 2, tmp_path / "floor.log")
+    try:
+        client = HttpSink(server.base_url, sink["name"], sink["token"])
+        assert client.pre_leases
+        generation = client.start_generation("q", "r")
+        for batch in range(3):
+            begun = client.begin(batch, generation, 3)
+            assert begun.attempt == 1 and sorted(p for p, _ in begun.pre_leases) == [0, 1, 2]
+            assert client.commit(batch, 1, generation, sorted(begun.pre_leases)) == 3
+        with pytest.raises(Rejected):  # a batch of another generation
+            client.begin(3, generation + 1, 3)
+        with pytest.raises(Rejected):  # a replayed batch: not new
+            client.begin(0, generation, 3)
+        with pytest.raises(Rejected):
+            HttpSink(server.base_url, sink["name"], "not-the-token").begin(3, generation, 3)
+        begun = client.begin(3, generation, 3)  # left undecided
+        client.close()
+    finally:
+        server.stop()
+    assert stack_floor.check_record(url, ["floor-a"], 3)["ok"] is False  # batch 3 is OPEN
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DELETE FROM stack_floor.batches WHERE batch_id = 3")
+    assert stack_floor.check_record(url, ["floor-a"], 3) == {
+        "committed_batches": 3, "cycles_completed_by_drivers": 3, "batches_not_committed": 0, "ok": True}
+    assert stack_floor.check_record(url, ["floor-a"], 4)["ok"] is False  # a completed batch it never wrote
 
 
 def test_protocol_bench_paces_its_drivers_to_the_rate_asked(database_url: str) -> None:

@@ -14,7 +14,15 @@ import pytest
 from sqlalchemy import Engine, func, select
 
 from coordinator.service.clock import ManualClock
-from coordinator.kafka.control_plane import ControlPlaneError, PreparedTransaction, RecordingControlPlane
+from coordinator import on_loop
+from coordinator.kafka.control_plane import (
+    NOT_TRIED,
+    CallOutcome,
+    ControlPlaneError,
+    KafkaTarget,
+    PreparedTransaction,
+    RecordingControlPlane,
+)
 from coordinator.protocol import errors as e
 from coordinator.protocol import recovery_rules
 from coordinator.protocol.invariants import check_committed_unchanged, check_invariants, check_unchanged
@@ -1102,6 +1110,73 @@ def test_a_pass_over_kafka_stops_starting_calls_once_the_broker_answered_none(en
         assert sorted(c.run_pending_aborts(NAME).aborted) == sorted(x.transactional_id for x in tries)
     finally:
         c.close()
+
+
+class PassingPlane(RecordingControlPlane):
+    """A control plane that makes whole passes (commit_all, abort_all), as the wire plane does:
+    records each pass and answers the outcomes queued in `answers` (else success)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes: list[tuple[str, list[str], int, bool]] = []
+        self.answers: list[list[CallOutcome]] = []
+
+    def _pass(self, kind: str, ids: list[str], parallelism: int) -> list[CallOutcome]:
+        self.passes.append((kind, ids, parallelism, on_loop.on_loop()))
+        return self.answers.pop(0) if self.answers else [CallOutcome(None, 0.01) for _ in ids]
+
+    def commit_all(self, target: KafkaTarget, txns: list[PreparedTransaction], parallelism: int) -> list[CallOutcome]:
+        return self._pass("commit", [t.transactional_id for t in txns], parallelism)
+
+    def abort_all(self, target: KafkaTarget, ids: list[str], parallelism: int) -> list[CallOutcome]:
+        return self._pass("abort", list(ids), parallelism)
+
+
+def test_a_plane_that_makes_passes_gets_each_pass_whole_and_its_outcomes_decide(engine: Engine) -> None:
+    """The service hands a batch's winners to commit_all in one call (and an attempt's tries to
+    abort_all), never to the per-transaction calls, and reads each transaction's outcome from the
+    pass: one NOT_TRIED leaves its winner pending (the commit answers 503 and counts it), a later
+    pass commits it."""
+    plane = PassingPlane()
+    c = Coordinator(engine, plane, limits=Limits(kafka_parallelism=3))
+    try:
+        gen = start(c)
+        c.begin_checkpoint(NAME, 0, gen, ACTOR)
+        winners = [lease_and_precommit(c, 0, 1, gen, p, p) for p in range(5)]
+        not_tried = ControlPlaneError("not tried in this pass", retriable=True, code=NOT_TRIED)
+        plane.answers.append([CallOutcome(None, 0.01)] * 4 + [CallOutcome(not_tried)])
+        with pytest.raises(e.Unavailable) as answer:
+            c.commit(NAME, 0, 1, gen, [PR(p, w.id) for p, w in enumerate(winners)], ACTOR)
+        assert plane.passes == [("commit", [w.transactional_id for w in winners], 3, False)]
+        assert plane.commits == [] and answer.value.detail["not_tried"] == 1
+        assert [lease_state(c, w.id) for w in winners] == [LeaseState.COMMITTED] * 4 + [LeaseState.COMMITTING]
+        assert c.resume(NAME, 0).checkpoint.state is CheckpointState.COMMITTED
+        assert plane.passes[1] == ("commit", [winners[4].transactional_id], 3, False)
+
+        c.begin_checkpoint(NAME, 1, gen, ACTOR)
+        tries = [c.begin_partition(NAME, 1, 1, gen, p, 100 + p) for p in range(4)]
+        _, outcome = c.abort_attempt(NAME, 1, 1, gen, "stage retry", ACTOR)
+        assert plane.passes[2] == ("abort", [x.transactional_id for x in tries], 3, False)
+        assert plane.aborts == [] and sorted(outcome.aborted) == sorted(x.transactional_id for x in tries)
+    finally:
+        c.close()
+
+
+def test_a_pass_called_on_the_event_loop_runs_in_a_thread(engine: Engine) -> None:
+    """A commit answered on the event loop (the fast lane) hands the pass to a Kafka thread: the
+    control plane blocks on the broker, the loop must not."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coordinator.service import kafka_passes
+
+    plane = PassingPlane()
+    txns = [PreparedTransaction(f"t{i}", i, 0) for i in range(3)]
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = asyncio.run(on_loop.run_on_loop(
+            lambda: kafka_passes.commit_pass(pool, 2, plane, KafkaTarget("s", "b:9", 60_000), txns)))
+    assert [o.error for o in outcomes] == [None] * 3
+    assert plane.passes == [("commit", ["t0", "t1", "t2"], 2, False)]
 
 
 def test_kafka_work_runs_at_most_kafka_parallelism_at_once_with_results_in_order(engine: Engine) -> None:

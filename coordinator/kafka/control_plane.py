@@ -7,6 +7,14 @@ log as a read_committed consumer at the transaction's first offsets, so that a r
 declared lost only when the log shows its records were dropped (DESIGN.md §3 Revisions). The real implementation on Kafka's wire
 protocol plugs in here; a KIP-939 (prepared transactions) variant would be another one.
 
+A pass is the calls over one batch's transactions (the commits of its winners, the aborts of its
+losers): `commit_all` and `abort_all`, when a plane has them, make a whole pass at once and answer
+each transaction's `CallOutcome` in order; the wire plane runs a pass as one coroutine on its
+connection's IO thread. A plane without them is called one transaction at a time from the
+service's threads (`service/kafka_passes.py`). Either way a pass keeps one rule (`Reach`): once a
+call got no answer from the broker and no call got one, the calls not started yet are not made
+(`NOT_TRIED`, retriable: their transactions stay pending for the next pass).
+
 `RecordingControlPlane` is the explicit "no Kafka control plane" mode: it touches no broker and
 only records what it was asked to do. It exists for tests and must never run in production;
 `coordinator.kafka.build_control_plane` logs that loudly when it is chosen.
@@ -65,6 +73,41 @@ class ControlPlaneError(Exception):
     def unanswered(self) -> bool:
         """No answer came from the broker (unreachable, or every request timed out)."""
         return self.code in NO_ANSWER_CODES
+
+
+NOT_TRIED = "not_tried"  # the code of a call not made: the broker answered none in its pass
+
+
+@dataclass(frozen=True)
+class CallOutcome:
+    """One transaction's outcome in a pass: None if the call succeeded, and how long the call took
+    from its first try to that outcome (0 for a call not tried)."""
+
+    error: ControlPlaneError | None
+    seconds: float = 0.0
+
+
+class Reach:
+    """Whether the broker has answered any call of one pass (`note` each call's outcome as soon as
+    it is known); `give_up` says what a call not started yet gets instead, once the pass should stop
+    starting calls (None: go on). An unreachable broker costs each call its whole retry budget: 4,096
+    winners, 16 at a time, would hold a commit call or the recovery loop for 34 minutes. A success
+    or a refusal is an answer; after one, every call is made, so trouble at one transaction
+    coordinator never holds the others back toward their timeout."""
+
+    def __init__(self) -> None:
+        self.reached = False
+
+    def note(self, error: ControlPlaneError | None) -> ControlPlaneError | None:
+        if error is None or not error.unanswered:
+            self.reached = True  # a success or a refusal is an answer
+        return error
+
+    def give_up(self, error: ControlPlaneError | None) -> ControlPlaneError | None:
+        if error is None or not error.unanswered or self.reached:
+            return None
+        return ControlPlaneError(f"not tried in this pass: the broker answered none of its calls ({error.code})",
+                                 retriable=True, code=NOT_TRIED)
 
 
 class TransactionOutcome(StrEnum):
@@ -131,6 +174,10 @@ class KafkaControlPlane(Protocol):
     def commit(self, target: KafkaTarget, txn: PreparedTransaction) -> None: ...
 
     def abort(self, target: KafkaTarget, transactional_id: str) -> None: ...
+
+    # optional: a whole pass at once (see the module's docstring)
+    # def commit_all(self, target, txns: Sequence[PreparedTransaction], parallelism: int) -> list[CallOutcome]
+    # def abort_all(self, target, transactional_ids: Sequence[str], parallelism: int) -> list[CallOutcome]
 
     def transaction_outcome(
         self, target: KafkaTarget, txn: PreparedTransaction, first_offsets: Sequence[FirstOffset]

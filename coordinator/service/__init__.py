@@ -11,8 +11,8 @@ One module per concern, composed into the one `Coordinator` everyone imports fro
 - `base.py`: the shared state (engine, control plane, clock, limits), the transaction helper,
   and the Kafka steps both the driver's calls and recovery run (finish a decided commit, abort
   on Kafka);
-- `kafka_passes.py`: a pass of Kafka calls over a batch's transactions (parallel, and cut short
-  when the broker answers none);
+- `kafka_passes.py`: a pass of Kafka calls over a batch's transactions (the control plane's own
+  pass where it has one, else parallel calls; cut short when the broker answers none);
 - `protocol_operations.py`: what a driver and its executors call (sinks, generations and lineage,
   begin, leases, pre-commit, commit, resume, abort);
 - `recovery_operations.py`: what the recovery loop runs (coordinator/service/recovery.py);

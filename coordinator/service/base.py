@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine, select, text, update
 from sqlalchemy.exc import DBAPIError
 
-from .. import on_loop
 from ..kafka.control_plane import (
+    NOT_TRIED,
+    CallOutcome,
     ControlPlaneError,
     FirstOffset,
     KafkaControlPlane,
@@ -32,7 +33,7 @@ from ..store import driver_sql, hot_path, repo
 from ..store.connections import ConnectionShelf
 from ..store.tables import attempts, checkpoints, lease_rows, leases, sinks, unresolved_leases
 from . import kafka_passes, metrics
-from .kafka_passes import NOT_TRIED, Reach, failure_report
+from .kafka_passes import failure_report
 from .clock import Clock, DatabaseClock, given_now
 from .results import AbortOutcome, CommitResult, Limits, _Decision
 
@@ -154,25 +155,18 @@ class CoordinatorBase:
         if pending and self.control_plane is None:
             raise e.Unavailable(e.NO_CONTROL_PLANE, "no Kafka control plane configured to finish the commit")
         target = _target(sink)
-        control_plane = self.control_plane
-
-        reach = Reach()
-
-        def commit_one(lease: Lease) -> ControlPlaneError | None:
-            assert control_plane is not None and lease.producer_id is not None and lease.producer_epoch is not None
-            try:
-                control_plane.commit(
-                    target, PreparedTransaction(lease.transactional_id, lease.producer_id, lease.producer_epoch)
-                )
-            except ControlPlaneError as exc:
-                return reach.note(exc)
-            return reach.note(None)
+        txns = []
+        for lease in pending:
+            assert lease.producer_id is not None and lease.producer_epoch is not None
+            txns.append(PreparedTransaction(lease.transactional_id, lease.producer_id, lease.producer_epoch))
+        outcomes = self._commit_pass(target, txns) if txns else []
 
         failures = {}
         not_tried: set[str] = set()  # of the failures: calls not made (Reach)
         refused: dict[str, rules.RefusedCommit] = {}  # refused for good: the data is lost
         after_all: dict[str, str] = {}  # refused, yet the log shows the transaction committed
-        for lease, error in zip(pending, self._parallel(commit_one, pending, reach.give_up)):
+        for lease, called in zip(pending, outcomes):
+            error = called.error
             if error is None:
                 continue
             if not error.transaction_gone:  # may still commit: stays COMMITTING, retried with backoff
@@ -420,19 +414,12 @@ class CoordinatorBase:
             sink = repo.sink_by_name(conn, name)
         target = _target(sink)
 
-        reach = Reach()
-
-        def abort_one(lease: Lease) -> ControlPlaneError | None:
-            started = time.monotonic()
-            try:
-                control_plane.abort(target, lease.transactional_id)
-            except ControlPlaneError as exc:
-                return reach.note(exc)
-            finally:
-                metrics.kafka_abort_finished(sink.name, time.monotonic() - started)
-            return reach.note(None)
-
-        errors = self._parallel(abort_one, list(to_abort), reach.give_up)
+        outcomes = kafka_passes.abort_pass(self._kafka_pool, self.limits.kafka_parallelism, control_plane, target,
+                                           [x.transactional_id for x in to_abort])
+        for called in outcomes:
+            if called.error is None or called.error.code != NOT_TRIED:  # a call made, whatever its outcome
+                metrics.kafka_abort_finished(sink.name, called.seconds)
+        errors = [called.error for called in outcomes]
         done = [x for x, err in zip(to_abort, errors) if err is None]
         failed = {x.transactional_id: str(err) for x, err in zip(to_abort, errors) if err is not None}
         not_tried = {x.transactional_id for x, err in zip(to_abort, errors) if err is not None and err.code == NOT_TRIED}
@@ -459,13 +446,15 @@ class CoordinatorBase:
         """kafka_passes.run_pass on the service's Kafka threads."""
         return kafka_passes.run_pass(self._kafka_pool, self.limits.kafka_parallelism, fn, items, stop)
 
+    def _commit_pass(self, target: KafkaTarget, txns: Sequence[PreparedTransaction]) -> list[CallOutcome]:
+        """kafka_passes.commit_pass with the service's control plane and threads."""
+        assert self.control_plane is not None
+        return kafka_passes.commit_pass(self._kafka_pool, self.limits.kafka_parallelism, self.control_plane,
+                                        target, txns)
+
     def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args), which waits on Kafka: in a call running on the event loop, in a thread."""
-        if not on_loop.on_loop():
-            return fn(*args)
-        future = self._kafka_pool.submit(fn, *args)
-        on_loop.wait_futures([future])
-        return future.result()
+        return kafka_passes.off_loop(self._kafka_pool, fn, *args)
 
 
 def _first_offsets(lease: Lease) -> list[FirstOffset]:

@@ -1,29 +1,83 @@
 """A pass of Kafka calls over a batch's transactions (the commits of its winners, the aborts of
-its losers or of a stage's first tries): at most `parallelism` at once, results in order, and no
-call started once the broker has answered none.
+its losers or of a stage's first tries): each transaction's outcome in order, and no call started
+once the broker has answered none (`kafka.control_plane.Reach`).
+
+A control plane that makes a whole pass itself (`commit_all`, `abort_all`: the wire plane, on its
+connection's IO thread) gets it in one call, off the event loop. Any other is called one
+transaction at a time by `run_pass`, at most `parallelism` at once on the service's threads.
 
 An unreachable broker costs each call its whole retry budget (8 s by default): 4,096 winners, 16
 at a time, would hold a commit call or the recovery loop for 34 minutes. Once a call got no answer
 and no call got one, the calls not started yet are reported NOT_TRIED (retriable): their
-transactions stay pending and the next pass tries them. A success or a refusal is an answer; after
-one, every call is made, so trouble at one transaction coordinator never holds the others back
-toward their timeout.
+transactions stay pending and the next pass tries them.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from .. import on_loop
-from ..kafka.control_plane import ControlPlaneError
+from ..kafka.control_plane import (
+    CallOutcome,
+    ControlPlaneError,
+    KafkaControlPlane,
+    KafkaTarget,
+    PreparedTransaction,
+    Reach,
+)
 
 T = TypeVar("T")
 Item = TypeVar("Item")
 
-NOT_TRIED = "not_tried"  # the code of a call not made: the broker answered none in its pass
+
+def commit_pass(pool: ThreadPoolExecutor, parallelism: int, plane: KafkaControlPlane, target: KafkaTarget,
+                txns: Sequence[PreparedTransaction]) -> list[CallOutcome]:
+    """Each transaction committed by resume (EndTxn), its outcome in order."""
+    native = getattr(plane, "commit_all", None)
+    if native is not None:
+        return off_loop(pool, native, target, list(txns), parallelism)
+    return _call_by_call(pool, parallelism, lambda txn: plane.commit(target, txn), txns)
+
+
+def abort_pass(pool: ThreadPoolExecutor, parallelism: int, plane: KafkaControlPlane, target: KafkaTarget,
+               transactional_ids: Sequence[str]) -> list[CallOutcome]:
+    """Whatever transaction each id may hold ended (InitProducerId fences it), outcome in order."""
+    native = getattr(plane, "abort_all", None)
+    if native is not None:
+        return off_loop(pool, native, target, list(transactional_ids), parallelism)
+    return _call_by_call(pool, parallelism, lambda tid: plane.abort(target, tid), transactional_ids)
+
+
+def _call_by_call(pool: ThreadPoolExecutor, parallelism: int, call: Callable[[Item], None],
+                  items: Sequence[Item]) -> list[CallOutcome]:
+    reach = Reach()
+
+    def one(item: Item) -> CallOutcome:
+        started = time.monotonic()
+        try:
+            call(item)
+        except ControlPlaneError as exc:
+            return CallOutcome(reach.note(exc), time.monotonic() - started)
+        return CallOutcome(reach.note(None), time.monotonic() - started)
+
+    def give_up(outcome: CallOutcome) -> CallOutcome | None:
+        instead = reach.give_up(outcome.error)
+        return None if instead is None else CallOutcome(instead)
+
+    return run_pass(pool, parallelism, one, items, give_up)
+
+
+def off_loop(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), which waits on Kafka: in a call running on the event loop, in a thread."""
+    if not on_loop.on_loop():
+        return fn(*args)
+    future = pool.submit(fn, *args)
+    on_loop.wait_futures([future])
+    return future.result()
 
 
 def run_pass(pool: ThreadPoolExecutor, parallelism: int, fn: Callable[[Item], T], items: Sequence[Item],
@@ -67,25 +121,6 @@ def run_pass(pool: ThreadPoolExecutor, parallelism: int, fn: Callable[[Item], T]
         for f in futures:
             f.result()  # re-raises what fn raised there
     return [x if ran else stopped[0] for x, ran in zip(out, started)]
-
-
-class Reach:
-    """Whether the broker has answered any call of one pass (`note` each call's outcome as soon as
-    it is known); `give_up` is run_pass's `stop` for the pass."""
-
-    def __init__(self) -> None:
-        self.reached = False
-
-    def note(self, error: ControlPlaneError | None) -> ControlPlaneError | None:
-        if error is None or not error.unanswered:
-            self.reached = True  # a success or a refusal is an answer
-        return error
-
-    def give_up(self, error: ControlPlaneError | None) -> ControlPlaneError | None:
-        if error is None or not error.unanswered or self.reached:
-            return None
-        return ControlPlaneError(f"not tried in this pass: the broker answered none of its calls ({error.code})",
-                                 retriable=True, code=NOT_TRIED)
 
 
 def failure_report(failures: dict[str, str], not_tried: set[str]) -> dict[str, Any]:

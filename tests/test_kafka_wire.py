@@ -487,6 +487,179 @@ def test_more_parallel_calls_than_requests_in_flight_wait_for_a_slot_instead_of_
     assert len(real_kafka.read_committed(topic)) == 12
 
 
+# --- (g) a pass: every transaction of a batch in one call (commit_all, abort_all) ----------------
+
+
+def test_a_pass_commits_each_transaction_with_one_find_and_one_end_txn(
+    broker: RealKafka, plane: KafkaWireControlPlane
+) -> None:
+    topic = broker.create_topic(6)
+    stats = run_transactional_producers(broker.bootstrap, [(tid(f"a{i}"), topic, i) for i in range(6)])
+    broker.proxy.clear()
+
+    outcomes = plane.commit_all(target(broker.proxied_bootstrap), [prepared(st) for st in stats], 4)
+
+    assert [o.error for o in outcomes] == [None] * 6
+    assert all(o.seconds > 0 for o in outcomes)
+    assert broker.proxy.requests[API_END_TXN] == 6
+    assert broker.proxy.requests[API_FIND_COORDINATOR] == 6  # one per transactional id, then cached
+    assert [markers(broker.bootstrap, topic, i, stats[i].producer_id) for i in range(6)] == [["commit"]] * 6
+    assert sorted(m.partition() for m in broker.read_committed(topic)) == [p for p in range(6) for _ in range(3)]
+    # a pass of a retried commit: each completed transaction answered NONE again, nothing written twice
+    again = plane.commit_all(target(broker.proxied_bootstrap), [prepared(st) for st in stats], 4)
+    assert [o.error for o in again] == [None] * 6
+    assert len(visible(broker, topic)) == 18
+
+
+@pytest.mark.parametrize(
+    ("error_code", "times", "refinds"),
+    [
+        (51, 3, 0),  # CONCURRENT_TRANSACTIONS
+        (16, 2, 2),  # NOT_COORDINATOR: those ids' coordinator found again, the others' kept
+        (7, 1, 0),  # REQUEST_TIMED_OUT, as the broker answers it
+    ],
+)
+def test_a_pass_retries_transient_answers_of_the_transactions_that_got_them(
+    kafka_faults: RealKafka, plane: KafkaWireControlPlane, error_code: int, times: int, refinds: int
+) -> None:
+    broker = kafka_faults
+    topic = broker.create_topic(4)
+    stats = run_transactional_producers(broker.bootstrap, [(tid(f"r{i}"), topic, i) for i in range(4)])
+    broker.proxy.clear()
+    broker.proxy.inject(API_END_TXN, error_code=error_code, times=times)
+
+    outcomes = plane.commit_all(target(broker.proxied_bootstrap), [prepared(st) for st in stats], 2)
+
+    assert [o.error for o in outcomes] == [None] * 4
+    assert broker.proxy.injected[API_END_TXN] == times
+    assert broker.proxy.requests[API_END_TXN] == 4 + times
+    assert broker.proxy.requests[API_FIND_COORDINATOR] == 4 + refinds
+    assert len(visible(broker, topic)) == 12
+
+
+def test_a_pass_looks_up_again_only_the_coordinators_of_the_transactions_told_to(
+    kafka_faults: RealKafka, plane: KafkaWireControlPlane
+) -> None:
+    """In one round, one EndTxn answered NOT_COORDINATOR and one CONCURRENT_TRANSACTIONS: only the
+    first's coordinator is looked up again before the next round."""
+    broker = kafka_faults
+    topic = broker.create_topic(2)
+    stats = run_transactional_producers(broker.bootstrap, [(tid(f"n{i}"), topic, i) for i in range(2)])
+    broker.proxy.clear()
+    broker.proxy.inject(API_END_TXN, error_code=16, times=1)
+    broker.proxy.inject(API_END_TXN, error_code=51, times=1)
+
+    outcomes = plane.commit_all(target(broker.proxied_bootstrap), [prepared(st) for st in stats], 2)
+
+    assert [o.error for o in outcomes] == [None, None]
+    assert broker.proxy.requests[API_END_TXN] == 4
+    assert broker.proxy.requests[API_FIND_COORDINATOR] == 2 + 1
+    assert len(visible(broker, topic)) == 6
+
+
+def test_a_pass_ends_a_refused_transaction_at_once_and_commits_the_others(
+    broker: RealKafka, plane: KafkaWireControlPlane
+) -> None:
+    topic = broker.create_topic(3)
+    stats = run_transactional_producers(broker.bootstrap, [(tid(f"f{i}"), topic, i) for i in range(3)])
+    txns = [prepared(stats[0]), prepared(stats[1], epoch=stats[1].producer_epoch + 1), prepared(stats[2]),
+            PreparedTransaction(tid("never"), -1, -1)]
+    broker.proxy.clear()
+    started = time.monotonic()
+
+    outcomes = plane.commit_all(target(broker.proxied_bootstrap), txns, 16)
+
+    assert time.monotonic() - started < BUDGET_MS / 1000, "a refusal must not wait out the retry budget"
+    assert outcomes[0].error is None and outcomes[2].error is None
+    fenced_ = outcomes[1].error
+    assert fenced_ is not None and (fenced_.code, fenced_.retriable, fenced_.transaction_gone) == (
+        "producer_fenced", False, True)
+    assert outcomes[3].error is not None and outcomes[3].error.code == "invalid_producer_id"
+    assert broker.proxy.requests[API_END_TXN] == 3  # the refused one once, the unassigned one never
+    assert markers(broker.bootstrap, topic, 0, stats[0].producer_id) == ["commit"]
+    assert markers(broker.bootstrap, topic, 2, stats[2].producer_id) == ["commit"]
+    assert is_open(broker.bootstrap, topic, 1)
+    plane.abort(target(broker.bootstrap), stats[1].transactional_id)
+
+
+def test_a_pass_on_a_silent_broker_tries_as_many_as_it_runs_at_once_and_reports_the_rest_not_tried(
+    kafka_faults: RealKafka,
+) -> None:
+    """EndTxn never answered (held in the network): the first round's tries time out, the round
+    starts no other, and at the end of the budget those report the timeout (retriable, unanswered),
+    the others NOT_TRIED; the broker never saw any of them."""
+    p = KafkaWireControlPlane(request_timeout_ms=400, retry_budget_ms=1_200, retry_backoff_ms=50)
+    try:
+        kafka_faults.proxy.inject(API_END_TXN, action="hold", times=1_000)
+        started = time.monotonic()
+        outcomes = p.commit_all(target(kafka_faults.proxied_bootstrap),
+                                [PreparedTransaction(tid(f"h{i}"), 1, 0) for i in range(10)], 3)
+        elapsed = time.monotonic() - started
+    finally:
+        p.close()
+    codes = [o.error.code if o.error else None for o in outcomes]
+    assert codes == ["request_timed_out"] * 3 + ["not_tried"] * 7, codes
+    assert all(o.error is not None and o.error.retriable and not o.error.transaction_gone for o in outcomes)
+    assert all(o.error is not None and o.error.unanswered for o in outcomes[:3])
+    assert elapsed < 1.2 + 0.4 + 2.0
+    assert kafka_faults.proxy.requests[API_END_TXN] <= 3 * 3  # at most a few rounds of the first three
+
+
+def test_a_pass_on_an_unreachable_bootstrap_gives_up_within_its_budget() -> None:
+    closed = free_port()
+    p = KafkaWireControlPlane(request_timeout_ms=300, retry_budget_ms=900, retry_backoff_ms=50)
+    try:
+        for call in (lambda: p.commit_all(target(f"127.0.0.1:{closed}"),
+                                          [PreparedTransaction(f"x{i}", 1, 0) for i in range(5)], 2),
+                     lambda: p.abort_all(target(f"127.0.0.1:{closed}"), [f"x{i}" for i in range(5)], 2)):
+            started = time.monotonic()
+            outcomes = call()
+            assert time.monotonic() - started < 0.9 + 0.3 + 1.5
+            assert [o.error.code if o.error else None for o in outcomes] == ["broker_unreachable"] * 2 + ["not_tried"] * 3
+    finally:
+        p.close()
+    after_close = p.commit_all(target(f"127.0.0.1:{closed}"), [PreparedTransaction("x", 1, 0)], 2)
+    assert after_close[0].error is not None and (after_close[0].error.code, after_close[0].error.retriable) == (
+        "closed", True)
+
+
+def test_abort_all_fences_each_id_and_waits_for_the_aborts_to_complete(
+    broker: RealKafka, plane: KafkaWireControlPlane
+) -> None:
+    topic = broker.create_topic(3)
+    stats = run_transactional_producers(broker.bootstrap, [(tid(f"x{i}"), topic, i) for i in range(3)])
+    unused = tid("unused")
+    broker.proxy.clear()
+
+    outcomes = plane.abort_all(target(broker.proxied_bootstrap), [st.transactional_id for st in stats] + [unused], 16)
+
+    assert [o.error for o in outcomes] == [None] * 4
+    # the broker answers CONCURRENT_TRANSACTIONS while it writes the abort markers: retried until NONE
+    assert broker.proxy.requests[API_INIT_PRODUCER_ID] >= 4
+    assert [markers(broker.bootstrap, topic, i, stats[i].producer_id) for i in range(3)] == [["abort"]] * 3
+    assert visible(broker, topic) == []
+    for st in stats:  # the old epoch can no longer commit
+        assert refused(lambda st=st: plane.commit(target(broker.bootstrap), prepared(st))).transaction_gone
+
+
+def test_a_pass_wider_than_the_requests_in_flight_waits_for_slots_instead_of_failing(
+    real_kafka: RealKafka, caplog: pytest.LogCaptureFixture
+) -> None:
+    topic = real_kafka.create_topic(4)
+    stats = run_transactional_producers(real_kafka.bootstrap, [(tid(f"w{i}"), topic, i % 4) for i in range(12)],
+                                        records=1)
+    p = KafkaWireControlPlane(request_timeout_ms=REQUEST_TIMEOUT_MS, retry_budget_ms=BUDGET_MS,
+                              client_config={"max_in_flight_requests_per_connection": 2})
+    try:
+        with caplog.at_level("WARNING", logger="coordinator.kafka.wire"):
+            outcomes = p.commit_all(target(real_kafka.bootstrap), [prepared(st) for st in stats], 16)
+    finally:
+        p.close()
+    assert [o.error for o in outcomes] == [None] * 12
+    assert [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()] == []
+    assert len(real_kafka.read_committed(topic)) == 12
+
+
 # --- wiring ------------------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import kafka.errors as Errors
+from kafka.future import Future
 from kafka.net.manager import KafkaConnectionManager
 from kafka.net.selector import NetworkSelector
 from kafka.protocol.admin.configs import DescribeConfigsRequest
@@ -107,6 +108,37 @@ class _BrokerClient:
     def run(self, coro: Callable[..., Awaitable[T]], *args: Any) -> T:
         refuse_blocking("a Kafka request")  # the service runs Kafka work in its threads
         return self._manager.run(coro, *args)
+
+    # --- on the IO thread: what a pass's coroutine (passes.py) runs its calls with ---------------
+
+    async def all_of(self, calls: Iterable[Callable[[], Awaitable[None]]]) -> None:
+        """Run the calls concurrently on the IO thread (awaited from it) until every one ended."""
+        futures = []
+        for call in calls:
+            future: Future = Future()
+
+            async def run(call: Callable[[], Awaitable[None]] = call, future: Future = future) -> None:
+                try:
+                    future.success(await call())
+                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                    future.failure(exc)
+
+            self._net.call_soon(run)
+            futures.append(future)
+        for future in futures:
+            await future
+
+    async def take_slot(self, timeout_ms: int) -> None:
+        """One of the connection's request slots (`slots`, shared with the calling threads), waiting
+        on the IO thread's timers, never blocking it: a slot is missing only while other callers fill
+        the connection."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        delay = 0.001
+        while not self.slots.acquire(blocking=False):
+            if time.monotonic() >= deadline:
+                raise _Retry("request_timed_out", f"no request slot on the connection within {timeout_ms} ms")
+            await self._net.sleep(delay)
+            delay = min(delay * 2, 0.02)
 
     def forget_coordinator(self, transactional_id: str) -> None:
         with self._coordinators_lock:

@@ -11,6 +11,10 @@ commit(target, txn)
     this FindCoordinator + EndTxn). Here the two requests are sent directly, from a process that
     never produced a record.
 
+commit_all, abort_all
+    A whole pass (passes.py): the requests, retries and verdicts of commit and abort for each of a
+    batch's transactions, in rounds run by one coroutine on the connection's IO thread.
+
 abort(target, transactional_id)
     InitProducerId(transactional_id, transaction_timeout_ms). The broker bumps the id's epoch,
     which fences every producer still holding it, and aborts an ongoing transaction. Kafka answers
@@ -92,7 +96,7 @@ of it for lost answers, delays and transient error codes.
 Where the parts are: this module is the control plane (the calls above, their retries and
 verdicts); connection.py the connection manager per bootstrap string and the requests it sends;
 errors.py which error codes are retried; requests.py the observation requests and the parsing of
-their answers; verdicts.py the broker-check verdicts.
+their answers; verdicts.py the broker-check verdicts; passes.py a pass.
 """
 
 from __future__ import annotations
@@ -111,6 +115,7 @@ from kafka.protocol.producer import EndTxnRequest
 
 from ..control_plane import (
     BrokerCheck,
+    CallOutcome,
     ControlPlaneError,
     FirstOffset,
     KafkaTarget,
@@ -119,8 +124,9 @@ from ..control_plane import (
     PreparedTransaction,
     TransactionOutcome,
 )
+from . import passes
 from .connection import _CLIENT_KEYS, DEFAULT_MAX_IN_FLIGHT, _BrokerClient
-from .errors import _REFIND_NAMES, _check, _Retry
+from .errors import DISCARD, REFIND, _check, _Retry, classify_failure
 from .requests import (
     KAFKA_DEFAULT_TRANSACTION_MAX_TIMEOUT_MS,
     TRANSACTION_MAX_TIMEOUT,
@@ -189,6 +195,22 @@ class KafkaWireControlPlane:
     # --- the interface -------------------------------------------------------------------------
 
     def commit(self, target: KafkaTarget, txn: PreparedTransaction) -> None:
+        self._resumable(txn)
+
+        def attempt(client: _BrokerClient, timeout_ms: int) -> None:
+            self._committed(client.run(client.end_txn, txn, True, self.end_txn_max_version, timeout_ms), txn)
+
+        self._call(target, txn.transactional_id, "commit", attempt)
+
+    def abort(self, target: KafkaTarget, transactional_id: str) -> None:
+        def attempt(client: _BrokerClient, timeout_ms: int) -> None:
+            self._fenced(client.run(client.init_producer_id, transactional_id, target.transaction_timeout_ms,
+                                    timeout_ms), transactional_id)
+
+        self._call(target, transactional_id, "abort", attempt)
+
+    @staticmethod
+    def _resumable(txn: PreparedTransaction) -> None:
         if txn.producer_id < 0 or txn.producer_epoch < 0:
             raise ControlPlaneError(
                 f"cannot resume {txn.transactional_id!r}: producer id {txn.producer_id} / epoch "
@@ -197,24 +219,49 @@ class KafkaWireControlPlane:
                 code="invalid_producer_id",
             )
 
-        def attempt(client: _BrokerClient, timeout_ms: int) -> None:
-            response = client.run(client.end_txn, txn, True, self.end_txn_max_version, timeout_ms)
-            _check(response.error_code, f"EndTxn(commit {txn.transactional_id!r} pid={txn.producer_id} epoch={txn.producer_epoch})")
-            if getattr(response, "producer_epoch", -1) not in (-1, None) and response.version >= 5:
-                # TV2: the commit bumped the epoch; nothing of ours uses the new one, log it only
-                log.info("committed %s; broker moved it to pid=%s epoch=%s", txn.transactional_id,
-                         response.producer_id, response.producer_epoch)
+    @staticmethod
+    def _committed(response: Any, txn: PreparedTransaction) -> None:
+        """EndTxn(commit)'s answer checked (_check raises for anything but NONE)."""
+        _check(response.error_code, f"EndTxn(commit {txn.transactional_id!r} pid={txn.producer_id} epoch={txn.producer_epoch})")
+        if getattr(response, "producer_epoch", -1) not in (-1, None) and response.version >= 5:
+            # TV2: the commit bumped the epoch; nothing of ours uses the new one, log it only
+            log.info("committed %s; broker moved it to pid=%s epoch=%s", txn.transactional_id,
+                     response.producer_id, response.producer_epoch)
 
-        self._call(target, txn.transactional_id, "commit", attempt)
+    @staticmethod
+    def _fenced(response: Any, transactional_id: str) -> None:
+        """InitProducerId's answer checked: NONE once no transaction of the id is open any more."""
+        _check(response.error_code, f"InitProducerId({transactional_id!r})")
+        log.info("aborted (fenced) %s: broker moved it to pid=%s epoch=%s",
+                 transactional_id, response.producer_id, response.producer_epoch)
 
-    def abort(self, target: KafkaTarget, transactional_id: str) -> None:
-        def attempt(client: _BrokerClient, timeout_ms: int) -> None:
-            response = client.run(client.init_producer_id, transactional_id, target.transaction_timeout_ms, timeout_ms)
-            _check(response.error_code, f"InitProducerId({transactional_id!r})")
-            log.info("aborted (fenced) %s: broker moved it to pid=%s epoch=%s",
-                     transactional_id, response.producer_id, response.producer_epoch)
+    def commit_all(self, target: KafkaTarget, txns: Sequence[PreparedTransaction], parallelism: int) -> list[CallOutcome]:
+        """`commit` of each transaction, as one pass (passes.py); each one's outcome in order."""
+        outcomes: list[CallOutcome | None] = [None] * len(txns)
+        valid = []
+        for i, txn in enumerate(txns):
+            try:
+                self._resumable(txn)
+                valid.append(i)
+            except ControlPlaneError as exc:
+                outcomes[i] = CallOutcome(exc)
 
-        self._call(target, transactional_id, "abort", attempt)
+        async def attempt(client: _BrokerClient, k: int, timeout_ms: int) -> None:
+            self._committed(await client.end_txn(txns[valid[k]], True, self.end_txn_max_version, timeout_ms), txns[valid[k]])
+
+        done = passes.run_pass(self, target, [txns[i].transactional_id for i in valid], "commit", attempt, parallelism)
+        for i, outcome in zip(valid, done):
+            outcomes[i] = outcome
+        return outcomes  # type: ignore[return-value]
+
+    def abort_all(self, target: KafkaTarget, transactional_ids: Sequence[str], parallelism: int) -> list[CallOutcome]:
+        """`abort` of each id, as one pass (passes.py); each one's outcome in order."""
+
+        async def attempt(client: _BrokerClient, k: int, timeout_ms: int) -> None:
+            tid = transactional_ids[k]
+            self._fenced(await client.init_producer_id(tid, target.transaction_timeout_ms, timeout_ms), tid)
+
+        return passes.run_pass(self, target, list(transactional_ids), "abort", attempt, parallelism)
 
     def transaction_outcome(
         self, target: KafkaTarget, txn: PreparedTransaction, first_offsets: Sequence[FirstOffset]
@@ -388,6 +435,20 @@ class KafkaWireControlPlane:
                 client = self._clients[key] = _BrokerClient(key, self._config)
             return client
 
+    def _before_next_try(self, client: _BrokerClient | None, action: str | None, keys: Sequence[str]) -> None:
+        if client is None:
+            return
+        if action == REFIND:
+            for key in keys:
+                client.forget_coordinator(key)
+        elif action == DISCARD:
+            self._discard(client)
+
+    def _backoff(self, tries: int) -> float:
+        """Seconds to wait after the tries-th failed try: exponential, with jitter."""
+        backoff = min(self.retry_backoff_max_ms, self.retry_backoff_ms * 2 ** (tries - 1)) / 1000
+        return backoff * random.uniform(0.8, 1.2)
+
     def _discard(self, client: _BrokerClient) -> None:
         with self._lock:
             if self._clients.get(client.bootstrap_servers) is client:
@@ -418,28 +479,10 @@ class KafkaWireControlPlane:
                 if tries > 1:
                     log.info("%s of %s succeeded after %d tries", what, transactional_id, tries)
                 return result
-            except ControlPlaneError:
-                raise
-            except _Retry as exc:
-                code, detail = exc.code, str(exc)
-                if code in _REFIND_NAMES and client is not None:
-                    client.forget_coordinator(transactional_id)
-            except Errors.KafkaError as exc:
-                if isinstance(exc, Errors.BrokerResponseError) and not exc.retriable:
-                    # e.g. an authorization or SASL failure surfaced by the connection layer
-                    name = exc.message.lower() if exc.message else type(exc).__name__
-                    raise ControlPlaneError(f"{what} of {transactional_id!r}: {exc}", retriable=False, code=name) from exc
-                code = "request_timed_out" if isinstance(exc, (Errors.KafkaTimeoutError, Errors.RequestTimedOutError)) \
-                    else "network_exception"
-                detail = f"{what} of {transactional_id!r}: {type(exc).__name__}: {exc}"
-                if client is not None:  # the coordinator may have moved or died
-                    client.forget_coordinator(transactional_id)
-            except (OSError, RuntimeError) as exc:  # socket trouble, or the IO loop died: start afresh
-                code, detail = "network_exception", f"{what} of {transactional_id!r}: {type(exc).__name__}: {exc}"
-                if client is not None:
-                    self._discard(client)
-            backoff = min(self.retry_backoff_max_ms, self.retry_backoff_ms * 2 ** (tries - 1)) / 1000
-            backoff *= random.uniform(0.8, 1.2)
+            except Exception as exc:  # noqa: BLE001 - classify_failure raises what ends the call
+                code, detail, action = classify_failure(exc, what, transactional_id)
+                self._before_next_try(client, action, [transactional_id])
+            backoff = self._backoff(tries)
             if time.monotonic() + backoff >= deadline:
                 elapsed = time.monotonic() - started
                 raise ControlPlaneError(

@@ -56,3 +56,28 @@ def _check(error_code: int, what: str) -> None:
     if _is_retriable_code(error_code):
         raise _Retry(name, f"{what}: broker answered {name.upper()} ({error_code})")
     raise ControlPlaneError(f"{what}: broker answered {name.upper()} ({error_code})", retriable=False, code=name)
+
+
+REFIND = "refind"  # look the transaction coordinator up again before the next try
+DISCARD = "discard"  # the connection manager is broken (socket trouble, its IO loop died): start afresh
+
+
+def classify_failure(exc: Exception, what: str, key: str) -> tuple[str, str, str | None]:
+    """What one failed try means: (code, detail, what to do before the next try: REFIND, DISCARD or
+    None). Raises the ControlPlaneError that ends the call for a refusal, and re-raises what no
+    try is expected to fail with."""
+    if isinstance(exc, ControlPlaneError):
+        raise exc
+    if isinstance(exc, _Retry):
+        return exc.code, str(exc), REFIND if exc.code in _REFIND_NAMES else None
+    if isinstance(exc, Errors.KafkaError):
+        if isinstance(exc, Errors.BrokerResponseError) and not exc.retriable:
+            # e.g. an authorization or SASL failure surfaced by the connection layer
+            name = exc.message.lower() if exc.message else type(exc).__name__
+            raise ControlPlaneError(f"{what} of {key!r}: {exc}", retriable=False, code=name) from exc
+        code = "request_timed_out" if isinstance(exc, (Errors.KafkaTimeoutError, Errors.RequestTimedOutError)) \
+            else "network_exception"
+        return code, f"{what} of {key!r}: {type(exc).__name__}: {exc}", REFIND  # the coordinator may have moved or died
+    if isinstance(exc, (OSError, RuntimeError)):
+        return "network_exception", f"{what} of {key!r}: {type(exc).__name__}: {exc}", DISCARD
+    raise exc

@@ -1,16 +1,25 @@
 #!/usr/bin/env python
-"""N parallel resume-commits (EndTxn) on a real Kafka broker, by the coordinator's control plane
-(`KafkaWireControlPlane`), with 1 request in flight per connection vs kafka-python's pipelining
-(`max_in_flight_requests_per_connection`, default 5), each from 16 threads (the coordinator's
-`kafka_parallelism`).
+"""N resume-commits (EndTxn) on a real Kafka broker by the coordinator's control plane
+(`KafkaWireControlPlane`), two ways, alternating in one run:
 
-For each N and setting, N transactions are opened by producers in worker processes (flushed, then
-left open: the processes exit without committing), then committed in parallel; the figure is the
-wall time of that commit phase and the broker's COMMIT answers (every transaction must end
-committed, read back with a read_committed consumer).
+- `calls`: one `commit` per transaction from 16 threads (the coordinator's `kafka_parallelism`),
+  as the service calls a control plane without passes: each EndTxn handed to kafka-python's IO
+  thread and back;
+- `pass`: one `commit_all` for the N transactions: one coroutine on the IO thread runs them, 16 at
+  a time (coordinator/kafka/wire/passes.py), as the service commits a batch's winners now.
+
+For each N, round and way, N transactions are opened by producers in worker processes (flushed,
+then left open: the processes exit without committing) on a fixed set of N transactional ids (a
+sink's pool: a running coordinator has their coordinators cached), then committed; the figures are
+the commit phase's wall time and this process's CPU time per EndTxn (all its threads: the
+control plane's work, none of the producers'). Every transaction must end committed, read
+back with a read_committed consumer. The first round of each N is a warm-up (connections, lookups).
 
     python bench/end_txn_bench.py                      # starts a single-node Kafka (localkafka/)
     python bench/end_txn_bench.py --bootstrap 127.0.0.1:9092 --sizes 8 64 200
+
+Last lines: `end_txn N=… calls_cpu_ms_per_end_txn=… pass_cpu_ms_per_end_txn=… cpu_ratio=…
+calls_wall_ms=… pass_wall_ms=…` (medians over the measured rounds; ratio = pass / calls).
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.kafka.control_plane import KafkaTarget, PreparedTransaction  # noqa: E402
 from coordinator.kafka.wire.control_plane import KafkaWireControlPlane  # noqa: E402
+
+THREADS = 16  # the coordinator's kafka_parallelism
 
 # opens transactions for the ids given, one partition each, prints {"tid", "pid", "epoch"} lines,
 # exits without committing
@@ -56,9 +67,8 @@ os._exit(0)
 """
 
 
-def open_transactions(bootstrap: str, topic: str, partitions: int, n: int, workers: int = 4) -> list[PreparedTransaction]:
-    run = uuid.uuid4().hex[:8]
-    ids = [(i, f"bench-{run}-{i}") for i in range(n)]
+def open_transactions(bootstrap: str, topic: str, partitions: int, ids: list[tuple[int, str]],
+                      workers: int = 4) -> list[PreparedTransaction]:
     procs = [subprocess.Popen([sys.executable, "-c", _OPENER, bootstrap, topic, str(partitions),
                                json.dumps(ids[w::workers])], stdout=subprocess.PIPE, text=True)
              for w in range(workers)]
@@ -68,21 +78,22 @@ def open_transactions(bootstrap: str, topic: str, partitions: int, n: int, worke
         if p.returncode != 0:
             raise SystemExit(f"an opener failed ({p.returncode})")
         out += [json.loads(line) for line in stdout.splitlines()]
-    assert len(out) == n, (len(out), n)
+    assert len(out) == len(ids), (len(out), len(ids))
     return [PreparedTransaction(x["tid"], x["pid"], x["epoch"]) for x in out]
 
 
-def commit_all(bootstrap: str, txns: list[PreparedTransaction], in_flight: int, threads: int = 16) -> float:
-    plane = KafkaWireControlPlane(client_config={"max_in_flight_requests_per_connection": in_flight})
-    target = KafkaTarget("bench", bootstrap, 60_000)
-    try:
-        plane.commit(target, txns[0])  # connect, find the coordinator once (not timed)
-        started = time.perf_counter()
+def commit(plane: KafkaWireControlPlane, target: KafkaTarget, txns: list[PreparedTransaction], way: str,
+           threads: int = THREADS) -> tuple[float, float]:
+    """Commit every transaction one way; (wall seconds, this process's CPU seconds)."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    if way == "pass":
+        failed = [o.error for o in plane.commit_all(target, txns, threads) if o.error is not None]
+        if failed:
+            raise SystemExit(f"{len(failed)} commits failed, e.g. {failed[0]}")
+    else:
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            list(pool.map(lambda t: plane.commit(target, t), txns[1:]))
-        return time.perf_counter() - started
-    finally:
-        plane.close()
+            list(pool.map(lambda t: plane.commit(target, t), txns))
+    return time.perf_counter() - w0, time.process_time() - c0
 
 
 def visible(bootstrap: str, topic: str) -> int:
@@ -96,8 +107,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bootstrap", help="an existing Kafka (default: start one with localkafka)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 200])
-    ap.add_argument("--in-flight", type=int, nargs="+", default=[1, 5])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="measured rounds of each way per size (default 3)")
     ap.add_argument("--transaction-version", type=int, default=2, choices=(1, 2))
     args = ap.parse_args()
     cluster = None
@@ -109,31 +119,43 @@ def main() -> int:
         cluster = LocalKafka(tempfile.mkdtemp(prefix="end-txn-bench-"), transaction_version=args.transaction_version)
         cluster.start()
         bootstrap = cluster.bootstrap_servers
+    plane = KafkaWireControlPlane()
+    target = KafkaTarget("bench", bootstrap, 60_000)
     try:
         from confluent_kafka.admin import AdminClient, NewTopic
 
         topic = f"end-txn-bench-{uuid.uuid4().hex[:6]}"
         admin = AdminClient({"bootstrap.servers": bootstrap})
         admin.create_topics([NewTopic(topic, 8, 1)])[topic].result(30)
-        print(f"broker {bootstrap}; {args.rounds} rounds; 16 threads; wall time of N-1 parallel EndTxn "
-              "(after one untimed to connect)")
-        print(f"{'N':>5} " + " ".join(f"{'inflight=' + str(m):>14}" for m in args.in_flight) + "   ratio")
-        committed = 0
+        print(f"broker {bootstrap}; {args.rounds} measured rounds per way after one warm-up; {THREADS} at a time; "
+              "wall time and this process's CPU of N EndTxn")
+        print(f"{'N':>5} {'calls wall':>11} {'pass wall':>10} {'calls CPU/EndTxn':>17} {'pass CPU/EndTxn':>16}   ratio")
+        committed, lines = 0, []
         for n in args.sizes:
-            walls: dict[int, list[float]] = {m: [] for m in args.in_flight}
-            for _ in range(args.rounds):
-                for m in args.in_flight:
-                    txns = open_transactions(bootstrap, topic, 8, n)
-                    walls[m].append(commit_all(bootstrap, txns, m))
+            ids = [(i, f"bench-{uuid.uuid4().hex[:8]}-{i}") for i in range(n)]
+            figures: dict[str, list[tuple[float, float]]] = {"calls": [], "pass": []}
+            for r in range(args.rounds + 1):
+                for way in ("calls", "pass") if r % 2 == 0 else ("pass", "calls"):
+                    wall, cpu = commit(plane, target, open_transactions(bootstrap, topic, 8, ids), way)
                     committed += n
-            med = {m: statistics.median(w) * 1000 for m, w in walls.items()}
-            ratio = med[args.in_flight[0]] / med[args.in_flight[-1]]
-            print(f"{n:>5} " + " ".join(f"{med[m]:>11.0f} ms" for m in args.in_flight) + f"   {ratio:.2f}x", flush=True)
+                    if r:
+                        figures[way].append((wall, cpu))
+            med = {way: (statistics.median(w for w, _ in f) * 1000, statistics.median(c for _, c in f) * 1000 / n)
+                   for way, f in figures.items()}
+            ratio = med["pass"][1] / med["calls"][1]
+            print(f"{n:>5} {med['calls'][0]:>8.0f} ms {med['pass'][0]:>7.0f} ms {med['calls'][1]:>14.3f} ms "
+                  f"{med['pass'][1]:>13.3f} ms   {ratio:.2f}x", flush=True)
+            lines.append(f"end_txn N={n} calls_cpu_ms_per_end_txn={med['calls'][1]:.3f} "
+                         f"pass_cpu_ms_per_end_txn={med['pass'][1]:.3f} cpu_ratio={ratio:.2f} "
+                         f"calls_wall_ms={med['calls'][0]:.0f} pass_wall_ms={med['pass'][0]:.0f}")
         seen = visible(bootstrap, topic)
         print(f"read_committed sees {seen} records of {committed} committed transactions "
               f"({'ok' if seen == committed else 'MISMATCH'})")
+        for line in lines:
+            print(line)
         return 0 if seen == committed else 1
     finally:
+        plane.close()
         if cluster is not None:
             cluster.stop()
 

@@ -21,14 +21,13 @@ rows, no events, no offsets digest, no recovery loop, metrics or Kafka pass. So 
 implementation on this stack and these writes gets under, not a design to ship: it answers only
 its one happy path and refuses (409) anything else.
 
-    python bench/stack_floor.py --seconds 10 --shape 2:12      # on its own, a throwaway Postgres
+protocol_bench.py runs it beside `coordinator serve` in its default run, or alone:
 
-protocol_bench.py runs it beside `coordinator serve` in its default run (`--stack-floor`).
+    python bench/protocol_bench.py --mode stack-floor --shape 2:12
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import re
@@ -326,21 +325,3 @@ uvicorn.run("stack_floor:app_from_env", factory=True, host="127.0.0.1", port=int
             workers=int(sys.argv[2]), log_level="info", loop="uvloop", http=OneWritePerTurnProtocol,
             access_log=False)
 """
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The floor alone: protocol_bench with only the floor's runs."""
-    import protocol_bench
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=10)
-    ap.add_argument("--shape", action="append")
-    args, rest = ap.parse_known_args(argv)
-    forwarded = ["--mode", "stack-floor", "--seconds", str(args.seconds), *rest]
-    for shape in args.shape or []:
-        forwarded += ["--shape", shape]
-    return protocol_bench.main(forwarded)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -175,8 +175,6 @@ class FloorApp:
             pool: asyncio.Queue[_Connection] = asyncio.Queue()
             for _ in range(self.size):
                 pool.put_nowait(_Connection(self.url))
-            with psycopg.connect(self.url, autocommit=True) as conn:
-                self.tokens = dict(conn.execute(f"SELECT name, token FROM {SCHEMA}.sinks").fetchall())
             self.pool = pool
         return await self.pool.get()
 
@@ -211,6 +209,9 @@ class FloorApp:
                 raise FloorRefused(f"not a call of the floor: {scope['method']} {path}")
             name = match.group(1)
             auth = dict(scope["headers"]).get(b"authorization", b"")
+            if name not in self.tokens:  # registered since the last read (a run's sinks come per shape)
+                with psycopg.connect(self.url, autocommit=True) as reader:
+                    self.tokens = dict(reader.execute(f"SELECT name, token FROM {SCHEMA}.sinks").fetchall())
             if self.tokens.get(name) is None or auth != b"Bearer " + self.tokens[name].encode():
                 raise FloorRefused("unknown sink or token")
             request = pydantic_core.from_json(body)

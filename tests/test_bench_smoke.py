@@ -70,6 +70,8 @@ def test_stack_floor_serves_the_benchmarks_load_and_its_record_check_sees_what_i
         client = HttpSink(server.base_url, sink["name"], sink["token"])
         assert client.pre_leases
         generation = client.start_generation("q", "r")
+        (late,) = stack_floor.register(url, ["floor-b"], 1)  # registered once the server has answered
+        assert HttpSink(server.base_url, late["name"], late["token"]).start_generation("q", "r") == 1
         for batch in range(3):
             begun = client.begin(batch, generation, 3)
             assert begun.attempt == 1 and sorted(p for p, _ in begun.pre_leases) == [0, 1, 2]

@@ -175,10 +175,6 @@ class KafkaControlPlane(Protocol):
 
     def abort(self, target: KafkaTarget, transactional_id: str) -> None: ...
 
-    # optional: a whole pass at once (see the module's docstring)
-    # def commit_all(self, target, txns: Sequence[PreparedTransaction], parallelism: int) -> list[CallOutcome]
-    # def abort_all(self, target, transactional_ids: Sequence[str], parallelism: int) -> list[CallOutcome]
-
     def transaction_outcome(
         self, target: KafkaTarget, txn: PreparedTransaction, first_offsets: Sequence[FirstOffset]
     ) -> TransactionOutcome:
@@ -203,6 +199,17 @@ class KafkaControlPlane(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class PassingControlPlane(KafkaControlPlane, Protocol):
+    """A control plane that also makes whole passes (the module's docstring): each transaction's
+    outcome in order, at most `parallelism` calls at once, and the pass's rule (`Reach`) kept."""
+
+    def commit_all(self, target: KafkaTarget, txns: Sequence[PreparedTransaction],
+                   parallelism: int) -> list[CallOutcome]: ...
+
+    def abort_all(self, target: KafkaTarget, transactional_ids: Sequence[str],
+                  parallelism: int) -> list[CallOutcome]: ...
 
 
 class RecordingControlPlane:

@@ -17,7 +17,6 @@ from sqlalchemy.exc import DBAPIError
 
 from ..kafka.control_plane import (
     NOT_TRIED,
-    CallOutcome,
     ControlPlaneError,
     FirstOffset,
     KafkaControlPlane,
@@ -159,7 +158,11 @@ class CoordinatorBase:
         for lease in pending:
             assert lease.producer_id is not None and lease.producer_epoch is not None
             txns.append(PreparedTransaction(lease.transactional_id, lease.producer_id, lease.producer_epoch))
-        outcomes = self._commit_pass(target, txns) if txns else []
+        outcomes = []
+        if txns:
+            assert self.control_plane is not None  # refused above
+            outcomes = kafka_passes.commit_pass(self._kafka_pool, self.limits.kafka_parallelism, self.control_plane,
+                                                target, txns)
 
         failures = {}
         not_tried: set[str] = set()  # of the failures: calls not made (Reach)
@@ -445,12 +448,6 @@ class CoordinatorBase:
                   stop: Callable[[T], T | None] = lambda _: None) -> list[T]:
         """kafka_passes.run_pass on the service's Kafka threads."""
         return kafka_passes.run_pass(self._kafka_pool, self.limits.kafka_parallelism, fn, items, stop)
-
-    def _commit_pass(self, target: KafkaTarget, txns: Sequence[PreparedTransaction]) -> list[CallOutcome]:
-        """kafka_passes.commit_pass with the service's control plane and threads."""
-        assert self.control_plane is not None
-        return kafka_passes.commit_pass(self._kafka_pool, self.limits.kafka_parallelism, self.control_plane,
-                                        target, txns)
 
     def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args), which waits on Kafka: in a call running on the event loop, in a thread."""

@@ -2,8 +2,8 @@
 its losers or of a stage's first tries): each transaction's outcome in order, and no call started
 once the broker has answered none (`kafka.control_plane.Reach`).
 
-A control plane that makes a whole pass itself (`commit_all`, `abort_all`: the wire plane, on its
-connection's IO thread) gets it in one call, off the event loop. Any other is called one
+A control plane that makes a whole pass itself (`PassingControlPlane`'s `commit_all`, `abort_all`:
+the wire plane, on its connection's IO thread) gets it in one call, off the event loop. Any other is called one
 transaction at a time by `run_pass`, at most `parallelism` at once on the service's threads.
 
 An unreachable broker costs each call its whole retry budget (8 s by default): 4,096 winners, 16

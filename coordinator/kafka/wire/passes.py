@@ -21,13 +21,13 @@ where one coroutine for the pass takes ~0.45-0.55 ms (bench/end_txn_bench.py). A
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
-import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from ..control_plane import NO_ANSWER_CODES, NOT_TRIED, CallOutcome, ControlPlaneError, KafkaTarget
+from ..control_plane import NOT_TRIED, CallOutcome, ControlPlaneError, KafkaTarget, Reach
 from .connection import _BrokerClient
 from .errors import classify_failure
 
@@ -62,7 +62,8 @@ def run_pass(plane: _Plane, target: KafkaTarget, keys: Sequence[str], what: str,
     tries = [0] * n
     last: dict[int, tuple[str, str]] = {}
     todo = list(range(n))
-    reached = False
+    reach = Reach()
+    silenced: ControlPlaneError | None = None  # what a try the round stopped before gets (NOT_TRIED)
     rounds = 0
     while todo:
         rounds += 1
@@ -72,7 +73,8 @@ def run_pass(plane: _Plane, target: KafkaTarget, keys: Sequence[str], what: str,
             client = plane._client(target.bootstrap_servers)
             client.ensure_bootstrapped(timeout_ms)
             now = time.monotonic()
-            failures, reached = client.run(_round, client, todo, attempt, parallelism, timeout_ms, reached)
+            failures, stopped = client.run(_round, client, todo, attempt, parallelism, timeout_ms, reach)
+            silenced = silenced or stopped
             for i in failures:
                 first_try[i] = first_try[i] or now
         except ControlPlaneError as exc:  # the plane is closed: nothing of it can be tried
@@ -85,6 +87,8 @@ def run_pass(plane: _Plane, target: KafkaTarget, keys: Sequence[str], what: str,
             failures = {i: exc for i in todo[:parallelism]}
             for i in failures:
                 first_try[i] = first_try[i] or now
+            error = _as_error(exc)
+            silenced = silenced or (reach.give_up(reach.note(error)) if error is not None else None)
         retry: list[int] = []
         actions: dict[str | None, list[str]] = {}
         for i in todo:
@@ -110,7 +114,15 @@ def run_pass(plane: _Plane, target: KafkaTarget, keys: Sequence[str], what: str,
             break
         backoff = plane._backoff(rounds)
         if time.monotonic() + backoff >= deadline:
-            _give_up(outcomes, retry, keys, tries, last, first_try, what, target, time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            for i in retry:
+                if i not in last:  # never tried: the broker answered none of the pass's tries
+                    outcomes[i] = CallOutcome(silenced or _not_tried())
+                    continue
+                code, detail = last[i]
+                outcomes[i] = CallOutcome(ControlPlaneError(
+                    f"{what} of {keys[i]!r} on {target.bootstrap_servers} did not succeed within {elapsed:.1f} s "
+                    f"({tries[i]} tries); last: {detail}", retriable=True, code=code), _since(first_try[i]))
             break
         example = next((last[i][1] for i in retry if i in last), "the broker answered none of the pass's tries")
         log.warning("%s of %d transaction(s): retrying in %.2f s after %s", what, len(retry), backoff, example)
@@ -128,16 +140,16 @@ def run_pass(plane: _Plane, target: KafkaTarget, keys: Sequence[str], what: str,
 
 
 async def _round(client: _BrokerClient, todo: list[int], attempt: Attempt, parallelism: int, timeout_ms: int,
-                 reached: bool) -> tuple[dict[int, Exception | None], bool]:
-    """On the IO thread: each of `todo` tried once, at most `parallelism` at once, until the broker
-    has answered none of the pass's tries and one went unanswered. Answers each started try's
-    failure (None: it succeeded) and whether the broker has answered any try of the pass."""
+                 reach: Reach) -> tuple[dict[int, Exception | None], ControlPlaneError | None]:
+    """On the IO thread: each of `todo` tried once, at most `parallelism` at once, until the pass's
+    rule (`reach`) says to start no other. Answers each started try's failure (None: it succeeded),
+    and what the tries not started get if it said so."""
     queue = deque(todo)
     failures: dict[int, Exception | None] = {}
-    state = {"reached": reached, "stopped": False}
+    stopped: list[ControlPlaneError] = []
 
     async def worker() -> None:
-        while queue and not state["stopped"]:
+        while queue and not stopped:
             i = queue.popleft()
             try:
                 await client.take_slot(timeout_ms)
@@ -147,43 +159,32 @@ async def _round(client: _BrokerClient, todo: list[int], attempt: Attempt, paral
                     client.slots.release()
             except Exception as exc:  # noqa: BLE001 - the calling thread classifies it
                 failures[i] = exc
-                if not _unanswered(exc):
-                    state["reached"] = True
-                elif not state["reached"]:
-                    state["stopped"] = True
+                error = _as_error(exc)
+                instead = reach.give_up(reach.note(error)) if error is not None else None
+                if instead is not None and not stopped:
+                    stopped.append(instead)
             else:
                 failures[i] = None
-                state["reached"] = True
+                reach.note(None)
 
     await client.all_of([worker] * min(parallelism, len(todo)))
-    return failures, state["reached"]
+    return failures, stopped[0] if stopped else None
 
 
-def _unanswered(exc: Exception) -> bool:
-    """Whether a failed try got no answer from the broker (unreachable, timed out)."""
+def _as_error(exc: Exception) -> ControlPlaneError | None:
+    """A failed try as the ControlPlaneError a single call would note (None for a failure no try is
+    expected to have: the calling thread raises it)."""
     try:
-        code, _, _ = classify_failure(exc, "", "")
+        code, detail, _ = classify_failure(exc, "a try", "")
     except ControlPlaneError as refused:
-        return refused.unanswered
-    except Exception:  # noqa: BLE001 - not a failure a try is expected to have: not the broker's silence
-        return False
-    return code in NO_ANSWER_CODES
+        return refused
+    except Exception:  # noqa: BLE001
+        return None
+    return ControlPlaneError(detail, retriable=True, code=code)
 
 
-def _give_up(outcomes: list[CallOutcome | None], retry: list[int], keys: Sequence[str], tries: list[int],
-             last: dict[int, tuple[str, str]], first_try: list[float | None], what: str, target: KafkaTarget,
-             elapsed: float) -> None:
-    silent = next((last[i][0] for i in retry if i in last and last[i][0] in NO_ANSWER_CODES), "broker_unreachable")
-    for i in retry:
-        if i not in last:  # never tried: the broker answered none of the pass's tries
-            outcomes[i] = CallOutcome(ControlPlaneError(
-                f"not tried in this pass: the broker answered none of its calls ({silent})",
-                retriable=True, code=NOT_TRIED))
-            continue
-        code, detail = last[i]
-        outcomes[i] = CallOutcome(ControlPlaneError(
-            f"{what} of {keys[i]!r} on {target.bootstrap_servers} did not succeed within {elapsed:.1f} s "
-            f"({tries[i]} tries); last: {detail}", retriable=True, code=code), _since(first_try[i]))
+def _not_tried() -> ControlPlaneError:
+    return ControlPlaneError("not tried in this pass", retriable=True, code=NOT_TRIED)
 
 
 def _since(started: float | None) -> float:

@@ -152,6 +152,8 @@ class _Connection:
             return rows
         finally:
             pg.exit_pipeline_mode()
+            if pg.transaction_status != pq.TransactionStatus.IDLE:  # a failed statement left BEGIN's block open
+                self.conn.rollback()
 
 
 class FloorApp:

@@ -32,7 +32,6 @@ import asyncio
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -310,13 +309,9 @@ class FloorServer:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        from protocol_clients import stop_group
+
+        stop_group(self.proc)
         self.log_file.close()
 
 

@@ -37,19 +37,23 @@ Item = TypeVar("Item")
 def commit_pass(pool: ThreadPoolExecutor, parallelism: int, plane: KafkaControlPlane, target: KafkaTarget,
                 txns: Sequence[PreparedTransaction]) -> list[CallOutcome]:
     """Each transaction committed by resume (EndTxn), its outcome in order."""
-    native = getattr(plane, "commit_all", None)
-    if native is not None:
-        return off_loop(pool, native, target, list(txns), parallelism)
-    return _call_by_call(pool, parallelism, lambda txn: plane.commit(target, txn), txns)
+    return _pass(pool, parallelism, getattr(plane, "commit_all", None), lambda txn: plane.commit(target, txn),
+                 target, txns)
 
 
 def abort_pass(pool: ThreadPoolExecutor, parallelism: int, plane: KafkaControlPlane, target: KafkaTarget,
                transactional_ids: Sequence[str]) -> list[CallOutcome]:
     """Whatever transaction each id may hold ended (InitProducerId fences it), outcome in order."""
-    native = getattr(plane, "abort_all", None)
-    if native is not None:
-        return off_loop(pool, native, target, list(transactional_ids), parallelism)
-    return _call_by_call(pool, parallelism, lambda tid: plane.abort(target, tid), transactional_ids)
+    return _pass(pool, parallelism, getattr(plane, "abort_all", None), lambda tid: plane.abort(target, tid),
+                 target, transactional_ids)
+
+
+def _pass(pool: ThreadPoolExecutor, parallelism: int, whole: Callable[..., list[CallOutcome]] | None,
+          single: Callable[[Item], None], target: KafkaTarget, items: Sequence[Item]) -> list[CallOutcome]:
+    """The plane's own pass (`whole`) off the event loop if it has one, else `single` per item."""
+    if whole is not None:
+        return off_loop(pool, whole, target, list(items), parallelism)
+    return _call_by_call(pool, parallelism, single, items)
 
 
 def _call_by_call(pool: ThreadPoolExecutor, parallelism: int, call: Callable[[Item], None],

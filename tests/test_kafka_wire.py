@@ -468,26 +468,33 @@ def test_parallel_commits_and_aborts_share_one_connection_per_bootstrap(
     assert sorted(m.partition() for m in broker.read_committed(topic)) == [p for p in range(4) for _ in range(3)]
 
 
+@pytest.mark.parametrize("way", ["calls", "pass"])
 def test_more_parallel_calls_than_requests_in_flight_wait_for_a_slot_instead_of_failing(
-    real_kafka: RealKafka, caplog: pytest.LogCaptureFixture
+    real_kafka: RealKafka, caplog: pytest.LogCaptureFixture, way: str
 ) -> None:
     """kafka-python fails a request at once when its connection has max_in_flight outstanding;
-    the control plane makes the extra calls wait for a slot: no spurious retry, every commit lands."""
+    the control plane makes the extra calls wait for a slot, whether they come from 12 threads or
+    from one pass 16 wide: no spurious retry, every commit lands."""
     topic = real_kafka.create_topic(4)
     stats = run_transactional_producers(real_kafka.bootstrap, [(tid(f"s{i}"), topic, i % 4) for i in range(12)],
                                         records=1)
     p = KafkaWireControlPlane(request_timeout_ms=REQUEST_TIMEOUT_MS, retry_budget_ms=BUDGET_MS,
                               client_config={"max_in_flight_requests_per_connection": 2})
+    tg = target(real_kafka.bootstrap)
     try:
-        with caplog.at_level("WARNING", logger="coordinator.kafka.wire"), ThreadPoolExecutor(max_workers=12) as pool:
-            list(pool.map(lambda st: p.commit(target(real_kafka.bootstrap), prepared(st)), stats))
+        with caplog.at_level("WARNING", logger="coordinator.kafka.wire"):
+            if way == "pass":
+                assert [o.error for o in p.commit_all(tg, [prepared(st) for st in stats], 16)] == [None] * 12
+            else:
+                with ThreadPoolExecutor(max_workers=12) as pool:
+                    list(pool.map(lambda st: p.commit(tg, prepared(st)), stats))
     finally:
         p.close()
     assert [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()] == []
     assert len(real_kafka.read_committed(topic)) == 12
 
 
-# --- (g) a pass: every transaction of a batch in one call (commit_all, abort_all) ----------------
+# --- (f2) a pass: every transaction of a batch in one call (commit_all, abort_all) ---------------
 
 
 def test_a_pass_commits_each_transaction_with_one_find_and_one_end_txn(
@@ -640,24 +647,6 @@ def test_abort_all_fences_each_id_and_waits_for_the_aborts_to_complete(
     assert visible(broker, topic) == []
     for st in stats:  # the old epoch can no longer commit
         assert refused(lambda st=st: plane.commit(target(broker.bootstrap), prepared(st))).transaction_gone
-
-
-def test_a_pass_wider_than_the_requests_in_flight_waits_for_slots_instead_of_failing(
-    real_kafka: RealKafka, caplog: pytest.LogCaptureFixture
-) -> None:
-    topic = real_kafka.create_topic(4)
-    stats = run_transactional_producers(real_kafka.bootstrap, [(tid(f"w{i}"), topic, i % 4) for i in range(12)],
-                                        records=1)
-    p = KafkaWireControlPlane(request_timeout_ms=REQUEST_TIMEOUT_MS, retry_budget_ms=BUDGET_MS,
-                              client_config={"max_in_flight_requests_per_connection": 2})
-    try:
-        with caplog.at_level("WARNING", logger="coordinator.kafka.wire"):
-            outcomes = p.commit_all(target(real_kafka.bootstrap), [prepared(st) for st in stats], 16)
-    finally:
-        p.close()
-    assert [o.error for o in outcomes] == [None] * 12
-    assert [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()] == []
-    assert len(real_kafka.read_committed(topic)) == 12
 
 
 # --- wiring ------------------------------------------------------------------------------------

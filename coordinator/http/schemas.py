@@ -144,6 +144,8 @@ class PartitionResultBody(TypedDict):
     records: NotRequired[Annotated[Count, Field(ge=1)] | None]
     bytes: NotRequired[Count | None]
     write_ms: NotRequired[Millis | None]
+    # the task try that wrote the record (Spark's task attempt id, as it claimed the lease)
+    task_attempt_id: NotRequired[TaskAttemptId | None]
     first_offsets: NotRequired[Annotated[list[TopicPartitionOffset] | None, Field(max_length=100_000, description=(
         "[topic, partition, offset]: the first offset the transaction wrote in a topic-partition, for "
         f"at most {FIRST_OFFSETS_KEPT} of them (the coordinator keeps the first {FIRST_OFFSETS_KEPT} as sent: "

@@ -1,8 +1,9 @@
 """Invariants I1-I5 of DESIGN.md §3 as executable checks over a snapshot of the durable state.
 
-`check_invariants(snapshot)` checks one snapshot (I2, I3, I4, the structural half of I1, and L1:
-lost data is never silent -- every LOST checkpoint has a `data_lost` alert, and its sink stayed
-halted until an operator acknowledged it);
+`check_invariants(snapshot)` checks one snapshot (I2, I3, I4, the structural half of I1; F1: no
+attempt of a fenced generation is still open; F2: a retired sink holds nothing open; and L1: lost
+data is never silent -- every LOST checkpoint has a `data_lost` alert, and its sink stayed halted
+until an operator acknowledged it);
 `check_committed_unchanged(before, after)` checks the history half of I1; `check_unchanged`
 is I5 (a refused call changed nothing); `check_no_quick_reuse(snapshot, reach)` is the design's
 "no quick reuse" rule (R1). Each returns a list of violations, empty when all hold.
@@ -14,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
-from .model import Alert, Attempt, Checkpoint, Lease, Sink, TransactionalId
+from .model import Alert, Attempt, Checkpoint, Lease, Quarantine, Sink
 from .states import (
     ABORT_PENDING_STATES,
     LOST_LEASE_STATES,
@@ -22,7 +23,6 @@ from .states import (
     AttemptState,
     CheckpointState,
     LeaseState,
-    TransactionalIdState,
 )
 
 
@@ -32,7 +32,7 @@ class Snapshot:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
     leases: list[Lease] = field(default_factory=list)
-    transactional_ids: list[TransactionalId] = field(default_factory=list)
+    quarantines: list[Quarantine] = field(default_factory=list)
     alerts: list[Alert] = field(default_factory=list)  # data_lost / lost_data_acknowledged events
 
 
@@ -47,7 +47,7 @@ class Violation:
 
 def check_invariants(s: Snapshot, *, settled: bool = False) -> list[Violation]:
     """`settled=True` additionally requires every loser to have ended ABORTED (no abort pending)."""
-    return [*_i1_structure(s), *_i2(s, settled), *_i3(s), *_i4(s), *_l1(s)]
+    return [*_i1_structure(s), *_i2(s, settled), *_i3(s), *_i4(s), *_fencing(s), *_l1(s)]
 
 
 def _attempts_by_checkpoint(s: Snapshot) -> dict[int, dict[int, Attempt]]:
@@ -139,37 +139,33 @@ _NEVER = datetime.max.replace(tzinfo=timezone.utc)
 
 
 def _in_lease_order(x: Lease) -> tuple[datetime, datetime, int]:
-    """An id's leases in the order they held it: by lease time; at the same instant (a manual
-    clock), the one resolved first, then by id. Lease ids do not say which came first: a batch's
-    first tries have ids from their attempt's block (migration 0012), above every lease row's."""
-    return x.leased_at, x.resolved_at or _NEVER, x.id
+    """An id's leases in the order they held it: by the time each took it from the pool; at the
+    same instant (a manual clock), the one resolved first, then by id."""
+    return x.taken_at, x.resolved_at or _NEVER, x.id
 
 
 def _i3(s: Snapshot) -> list[Violation]:
+    """No id is held by two unresolved leases, and an id's leases follow one another: each was
+    resolved before the next one took the id."""
     out = []
-    ids = {t.transactional_id: t for t in s.transactional_ids}
-    holders: dict[str, list[Lease]] = defaultdict(list)
-    history: dict[str, list[Lease]] = defaultdict(list)
+    holders: dict[tuple[int, int], list[Lease]] = defaultdict(list)
+    history: dict[tuple[int, int], list[Lease]] = defaultdict(list)
     for lease in s.leases:
-        history[lease.transactional_id].append(lease)
+        history[lease.sink_id, lease.ordinal].append(lease)
         if lease.state in UNRESOLVED_LEASE_STATES:
-            holders[lease.transactional_id].append(lease)
-    for tid, held in holders.items():
+            holders[lease.sink_id, lease.ordinal].append(lease)
+        if (lease.resolved_at is None) != (lease.state in UNRESOLVED_LEASE_STATES):
+            out.append(Violation("I3", f"lease {lease.id} is {lease.state} with resolved_at {lease.resolved_at}"))
+    for held in holders.values():
         if len(held) > 1:
-            out.append(Violation("I3", f"{tid} is held by {len(held)} unresolved leases {[h.id for h in held]}"))
-        t = ids.get(tid)
-        if t is None or t.state is not TransactionalIdState.LEASED or t.lease_id != held[0].id:
-            out.append(Violation("I3", f"{tid} may hold a transaction of lease {held[0].id} but the pool has it as {t}"))
-    for tid, leases in history.items():
+            out.append(Violation("I3", f"{held[0].transactional_id} is held by {len(held)} unresolved leases "
+                                       f"{[h.id for h in held]}"))
+    for leases in history.values():
         leases.sort(key=_in_lease_order)
         for earlier, later in zip(leases, leases[1:]):
-            if earlier.resolved_at is None or earlier.resolved_at > later.leased_at:
-                out.append(
-                    Violation("I3", f"{tid} leased to {later.id} before lease {earlier.id} was resolved")
-                )
-    for t in s.transactional_ids:
-        if t.state is TransactionalIdState.LEASED and t.transactional_id not in holders:
-            out.append(Violation("I3", f"{t.transactional_id} is LEASED but no unresolved lease holds it"))
+            if earlier.resolved_at is None or earlier.resolved_at > later.taken_at:
+                out.append(Violation("I3", f"{later.transactional_id} leased to {later.id} before lease "
+                                           f"{earlier.id} was resolved"))
     return out
 
 
@@ -186,6 +182,30 @@ def _i4(s: Snapshot) -> list[Violation]:
             continue
         if attempt.decided_at + timedelta(milliseconds=margin[lease.sink_id]) > lease.deadline_at:
             out.append(Violation("I4", f"lease {lease.id} was decided within the margin of its deadline"))
+    return out
+
+
+def _fencing(s: Snapshot) -> list[Violation]:
+    """F1: starting a generation aborts every open attempt of older ones, and begin serialises with
+    it, so no attempt of a fenced generation is still open. F2: a retired sink holds nothing open
+    (no recovery loop looks at it again): no open attempt, no unresolved lease."""
+    out = []
+    sinks = {x.id: x for x in s.sinks}
+    checkpoint_sink = {c.id: c.sink_id for c in s.checkpoints}
+    for a in s.attempts:
+        sink = sinks.get(checkpoint_sink.get(a.checkpoint_id, -1))
+        if sink is None or a.state is not AttemptState.OPEN:
+            continue
+        if a.generation < sink.generation:
+            out.append(Violation("F1", f"attempt {a.id} of fenced generation {a.generation} is open (sink "
+                                       f"{sink.name} is at generation {sink.generation})"))
+        if sink.retired_at is not None:
+            out.append(Violation("F2", f"retired sink {sink.name} has an open attempt {a.id}"))
+    for x in s.leases:
+        sink = sinks.get(x.sink_id)
+        if sink is not None and sink.retired_at is not None and x.state in UNRESOLVED_LEASE_STATES:
+            out.append(Violation("F2", f"retired sink {sink.name} still holds {x.transactional_id} (lease {x.id}, "
+                                       f"{x.state})"))
     return out
 
 
@@ -209,29 +229,21 @@ def check_no_quick_reuse(s: Snapshot, reach: timedelta) -> list[Violation]:
     """R1: an id is leased again only after every earlier try on it that may still act on Kafka
     is past `reach` (lease age bound at init + init timeout + request timeout: how late a stalled
     try's InitProducerId or request can land). Exempt: a committed winner (its try reported and its
-    transaction ended) and an unused pre-lease (a first try whose partition the decision accepted
-    as empty: it never made a producer)."""
-    attempt_by_id = {a.id: a for a in s.attempts}
-    winners = {(x.attempt_id, x.partition) for x in s.leases
-               if x.state in (LeaseState.COMMITTING, LeaseState.COMMITTED, *LOST_LEASE_STATES)}
+    transaction ended) and a pre-lease no try ever claimed (no producer was ever made on it)."""
 
     def may_act_late(x: Lease) -> bool:
-        if x.state is LeaseState.COMMITTED:
-            return False
-        decided = attempt_by_id[x.attempt_id].state not in (AttemptState.OPEN, AttemptState.ABORTED)
-        unused = x.first_try and x.producer_id is None and decided and (x.attempt_id, x.partition) not in winners
-        return not unused
+        return x.state is not LeaseState.COMMITTED and x.task_attempt_id is not None
 
     out = []
-    by_id: dict[str, list[Lease]] = defaultdict(list)
+    by_id: dict[tuple[int, int], list[Lease]] = defaultdict(list)
     for x in s.leases:
-        by_id[x.transactional_id].append(x)
-    for tid, history in by_id.items():
+        by_id[x.sink_id, x.ordinal].append(x)
+    for history in by_id.values():
         history.sort(key=_in_lease_order)
         for earlier, later in zip(history, history[1:]):
-            if may_act_late(earlier) and later.leased_at < earlier.leased_at + reach:
-                out.append(Violation("R1", f"{tid} leased again (lease {later.id}) "
-                                           f"{(later.leased_at - earlier.leased_at).total_seconds():.3f} s after "
+            if may_act_late(earlier) and later.taken_at < earlier.leased_at + reach:
+                out.append(Violation("R1", f"{later.transactional_id} taken again (lease {later.id}) "
+                                           f"{(later.taken_at - earlier.leased_at).total_seconds():.3f} s after "
                                            f"lease {earlier.id} ({earlier.state}), whose try may act for "
                                            f"{reach.total_seconds():.3f} s"))
     return out
@@ -265,7 +277,7 @@ def check_unchanged(before: Snapshot, after: Snapshot) -> list[Violation]:
     if before == after:
         return []
     diffs = [
-        name for name in ("sinks", "checkpoints", "attempts", "leases", "transactional_ids", "alerts")
+        name for name in ("sinks", "checkpoints", "attempts", "leases", "quarantines", "alerts")
         if getattr(before, name) != getattr(after, name)
     ]
     return [Violation("I5", f"a refused call changed {', '.join(diffs)}")]

@@ -1,116 +1,31 @@
-"""Plain records of the protocol's entities. The storage layer builds them from rows (field names
-are column names); the rules and the invariant checker read them. No I/O here."""
+"""Plain records of the protocol's entities. The store builds them from rows (field names are
+column names); the rules and the invariant checker read them. No I/O here."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from functools import cache
-from operator import itemgetter
 from typing import Any, Self, get_type_hints
 
-from .states import AttemptState, CheckpointState, LeaseState, TransactionalIdState
+from .states import AttemptState, CheckpointState, LeaseState
 
 
 class _Record:
     @classmethod
-    def from_mapping(cls, row: Any, prefix: str = "") -> Self:
-        """Build from a row mapping with the fields' names (each after `prefix`, for one table's
-        columns in a joined row); a `state` column becomes its enum. A positional row whose type
-        maps column names to positions (`columns`, as the store's driver rows do) is read by
-        position, with the positions worked out once per row type."""
-        if hasattr(type(row), "columns"):
-            names, get = _positional(cls, prefix, type(row))
-            values = dict(zip(names, get(tuple(row))))  # a plain tuple: itemgetter at C speed
-        else:
-            values = {name: row[key] for name, key in _field_keys(cls, prefix)}
+    def from_mapping(cls, row: Mapping[str, Any]) -> Self:
+        """Build from a row mapping holding (at least) every field by name; a `state` column
+        becomes its enum."""
+        values = {name: row[name] for name in _field_names(cls)}
         if "state" in values:
             values["state"] = _state_type(cls)(values["state"])
-        # every field comes from the row: set them as the generated __init__ would, without its
-        # frozen per-field setattr (5x slower; a P=200 batch builds ~800 leases)
-        record = object.__new__(cls)
-        record.__dict__.update(values)
-        return record
-
-    @classmethod
-    def from_fields(cls, **values: Any) -> Self:
-        """Build from every field's value (what a statement wrote, when it answers only ids), as
-        from_mapping does."""
-        if values.keys() != _field_names(cls):
-            raise TypeError(f"{cls.__name__} takes exactly its fields: {sorted(_field_names(cls) ^ values.keys())}")
-        record = object.__new__(cls)
-        record.__dict__.update(values)
-        return record
-
-    @classmethod
-    def from_every_field(cls, **values: Any) -> Self:
-        """from_fields without its check of the names, for a loop whose one call site names every
-        field (a 200-partition commit's body builds 400 records: ~0.2 ms against ~0.45)."""
-        record = object.__new__(cls)
-        record.__dict__.update(values)
-        return record
-
-    def with_changes(self, **changes: Any) -> Self:
-        """A copy with some fields changed (what a statement wrote, when it answers only ids),
-        built the way from_mapping builds records."""
-        if not changes.keys() <= self.__dict__.keys():
-            raise TypeError(f"not fields of {type(self).__name__}: {sorted(changes.keys() - self.__dict__.keys())}")
-        record = object.__new__(type(self))
-        record.__dict__.update(self.__dict__, **changes)
-        return record
-
-    @classmethod
-    def all_with_changes(cls, records: Iterable[Self], **changes: Any) -> list[Self]:
-        """`with_changes` for each record, the same changes for all, checked once (a 200-partition
-        batch's winners marked COMMITTED: ~0.12 ms, against ~0.30 ms one by one)."""
-        if not changes.keys() <= _field_names(cls):
-            raise TypeError(f"not fields of {cls.__name__}: {sorted(changes.keys() - _field_names(cls))}")
-        new, out = object.__new__, []
-        for record in records:
-            if type(record) is not cls:
-                raise TypeError(f"{type(record).__name__} is not a {cls.__name__}")
-            copy = new(cls)
-            fields_ = copy.__dict__
-            fields_.update(record.__dict__)
-            fields_.update(changes)
-            out.append(copy)
-        return out
-
-    def variants(self, names: Sequence[str], values: Iterable[Sequence[Any]]) -> list[Self]:
-        """Copies of this record, one per item of `values`, each with the fields `names` set to
-        that item's values: a batch's first-try leases, which differ in three fields (200 of them
-        in ~0.25 ms, against ~0.47 ms built field by field with from_fields)."""
-        if not set(names) <= self.__dict__.keys():
-            raise TypeError(f"not fields of {type(self).__name__}: {sorted(set(names) - self.__dict__.keys())}")
-        cls, base, new, width = type(self), self.__dict__, object.__new__, len(names)
-        out = []
-        for item in values:
-            if len(item) != width:
-                raise ValueError(f"{len(item)} values for the fields {list(names)}")
-            record = new(cls)
-            fields_ = record.__dict__
-            fields_.update(base)
-            fields_.update(zip(names, item))
-            out.append(record)
-        return out
+        return cls(**values)
 
 
 @cache
-def _field_names(cls: type) -> frozenset[str]:
-    return frozenset(f.name for f in fields(cls))  # type: ignore[arg-type]
-
-
-@cache
-def _field_keys(cls: type, prefix: str) -> tuple[tuple[str, str], ...]:
-    return tuple((f.name, prefix + f.name) for f in fields(cls))  # type: ignore[arg-type]
-
-
-@cache
-def _positional(cls: type, prefix: str, row_type: type) -> tuple[tuple[str, ...], Any]:
-    keys = _field_keys(cls, prefix)
-    getter = itemgetter(*(row_type.columns[key] for _, key in keys))  # type: ignore[attr-defined]
-    return tuple(name for name, _ in keys), getter  # every record has several fields: a tuple
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
 
 
 @cache
@@ -141,6 +56,17 @@ class Sink(_Record):
     @property
     def halted(self) -> bool:
         return self.halted_at is not None
+
+
+@dataclass(frozen=True)
+class IdPool(_Record):
+    """A sink's pool of transactional ids: ordinals 0..size-1 exist (`prefix-<ordinal>`); which
+    of them are free follows from the unresolved leases and the quarantine. Ids are handed out
+    round-robin from `cursor`, so the least recently leased free id comes first."""
+
+    sink_id: int
+    size: int
+    cursor: int
 
 
 @dataclass(frozen=True)
@@ -183,38 +109,37 @@ class Lease(_Record):
     checkpoint_id: int
     attempt_id: int
     partition: int
-    task_attempt_id: int
+    # the task try that holds it (Spark's task attempt id); None while PRELEASED (no try yet)
+    task_attempt_id: int | None
+    ordinal: int  # its id in the sink's pool
     transactional_id: str
     state: LeaseState
-    leased_at: datetime
-    deadline_at: datetime
+    taken_at: datetime  # when its id was taken from the pool (begin, for a pre-lease)
+    leased_at: datetime  # when a try got it (for a pre-lease no try claimed yet: taken_at)
+    deadline_at: datetime  # leased_at + the sink's transaction timeout: the broker aborts by then
     producer_id: int | None
     producer_epoch: int | None
     records: int | None
     bytes: int | None
-    precommitted_at: datetime | None
-    resolved_at: datetime | None
-    write_ms: int | None = None  # the executor's produce + flush time (reported with the pre-commit)
+    write_ms: int | None  # the executor's produce + flush time (reported with the record)
     # JSON text as stored, [[topic, partition, first offset written], ...]: read only when Kafka
     # refuses the commit, so it is not parsed with every lease
-    first_offsets: str | None = None
+    first_offsets: str | None
+    resolved_at: datetime | None  # set when it reaches an end state: its id is no longer held
 
     @property
-    def first_try(self) -> bool:
-        """Pre-leased at begin for the partition's first task try (stage and task attempt 0)."""
-        return self.task_attempt_id == FIRST_TRY_TASK_ATTEMPT
+    def claimed(self) -> bool:
+        return self.task_attempt_id is not None
 
 
 @dataclass(frozen=True)
-class TransactionalId(_Record):
-    id: int
+class Quarantine(_Record):
+    """An id that may not be leased before `until`: a try that did not win may still reach the
+    broker with it (or the lingering sweep is aborting a transaction on it)."""
+
     sink_id: int
     ordinal: int
-    transactional_id: str
-    state: TransactionalIdState
-    lease_id: int | None
-    released_at: datetime | None = None
-    reusable_at: datetime | None = None  # end of the quarantine of an id freed from an undecided try
+    until: datetime
 
 
 @dataclass(frozen=True)
@@ -231,17 +156,16 @@ class Alert:
 
 # How many first offsets a pre-commit record keeps. A transaction commits or aborts in all its
 # partitions at once, so the outcome check (kafka/outcome.py) needs one conclusive read; a few more
-# cover a partition whose leader is down or whose records retention already deleted. A task that
-# wrote every partition of a 200-partition topic would otherwise report 200, and a 200-task
-# commit carry 40,000 (~1.2 MB of JSON to parse and store per batch).
+# cover a partition whose leader is down or whose records retention already deleted.
 FIRST_OFFSETS_KEPT = 4
 
 
 @dataclass(frozen=True)
-class PrecommitRecord(_Record):
-    """What a task attempt reports about its flushed transaction (in its Spark task result, which
-    the driver forwards with the commit; or, from older clients, with the pre-commit call)."""
+class PrecommitRecord:
+    """What a task try reports about its flushed transaction, in its Spark task result; the driver
+    sends the winners' records with the commit."""
 
+    task_attempt_id: int  # the try that wrote it: the one that holds the lease
     producer_id: int
     producer_epoch: int
     records: int
@@ -250,19 +174,12 @@ class PrecommitRecord(_Record):
     # [[topic, partition, offset], ...]: where to look in the log, at most FIRST_OFFSETS_KEPT
     first_offsets: Sequence[Sequence[Any]] | None = None
 
-    def identity(self) -> tuple[int, int, int, int]:
-        return (self.producer_id, self.producer_epoch, self.records, self.bytes)
-
 
 @dataclass(frozen=True)
-class PartitionResult(_Record):
-    """One entry of a commit request: the winning lease of a partition (with its pre-commit record
-    when the task returned it to the driver), or None if it was empty."""
+class PartitionResult:
+    """One entry of a commit request: the winning lease of a partition with its pre-commit
+    record, or lease_id None if the partition was empty."""
 
     partition: int
     lease_id: int | None
     precommit: PrecommitRecord | None = None
-
-
-# The task attempt id of a lease taken at begin for a partition's first task try.
-FIRST_TRY_TASK_ATTEMPT = -1

@@ -4,170 +4,22 @@ Nothing here reads a clock, a database or a network: callers pass `now` and the 
 and act on the returned decision inside their own transaction. Every function either returns a
 decision or raises a ProtocolError whose reason the client can branch on.
 
-Long because the protocol's rules are kept in one file, in protocol order (sinks and ids,
-generations, begin, leases and pre-commits, commit, lost data), so that they read as one
-specification; each section is short and the states they move are in states.py.
+The rules are kept in protocol order (generations, begin, the id pool and leases, commit, lost
+data), so that they read as one specification; what a sink's configuration must satisfy is in
+configuration.py, what the recovery loop decides in recovery_rules.py, and the states they move
+in states.py.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
 from . import errors as e
-from .model import Attempt, Checkpoint, Lease, PartitionResult, PrecommitRecord, Sink
-from .states import UNDECIDED_LEASE_STATES, AttemptState, CheckpointState, LeaseState
-
-# Kafka accepts any string as transactional.id; we keep to the characters Kafka allows in topic
-# names so ids are safe in logs, ACL patterns and shell commands.
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+$")
-MAX_PREFIX_LENGTH = 200
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-MAX_NAME_LENGTH = 100
-
-
-# --- sinks and transactional ids -------------------------------------------------------------
-
-
-def validate_sink_name(name: str) -> None:
-    if not (1 <= len(name) <= MAX_NAME_LENGTH) or not _NAME_RE.fullmatch(name):
-        raise e.Invalid(
-            "invalid_sink_name",
-            f"sink name must be 1-{MAX_NAME_LENGTH} characters of A-Z a-z 0-9 . _ - "
-            "and start with a letter or digit",
-            field="name",
-        )
-
-
-def validate_prefix(prefix: str) -> None:
-    if not (1 <= len(prefix) <= MAX_PREFIX_LENGTH) or not _PREFIX_RE.fullmatch(prefix):
-        raise e.Invalid(
-            "invalid_transactional_id_prefix",
-            f"transactional_id_prefix must be 1-{MAX_PREFIX_LENGTH} characters of A-Z a-z 0-9 . _ -",
-            field="transactional_id_prefix",
-        )
-
-
-def prefixes_clash(a: str, b: str) -> bool:
-    """Two sinks clash if one prefix starts the other: a broker-side sweep by prefix could then
-    not tell their transactions apart."""
-    return a.startswith(b) or b.startswith(a)
-
-
-def transactional_id_stem(prefix: str) -> str:
-    """What every pooled id of a sink starts with: the prefix and one separator ("orders" ->
-    "orders-"; a prefix that already ends in "-", "." or "_" is used as it is, so "demo-" gives
-    "demo-0", not "demo--0"). Prefix-free prefixes give prefix-free stems: a stem is the prefix or
-    the prefix plus "-", so one stem starting another means one prefix starts the other."""
-    return prefix if prefix.endswith(("-", ".", "_")) else prefix + "-"
-
-
-def transactional_id_for(prefix: str, ordinal: int) -> str:
-    return f"{transactional_id_stem(prefix)}{ordinal}"
-
-
-@dataclass(frozen=True)
-class CommitReach:
-    """How long after a commit is decided its EndTxn may still reach the broker, from the
-    coordinator's settings: the deciding replica's tries (the commit retry budget, the last
-    request in flight up to the Kafka request timeout), or, if that replica dies, the recovery
-    leader's after a failover (the leader TTL plus one loop interval). The timeout gate keeps
-    I4 only if the commit margin exceeds this (DESIGN.md §3 Revisions, "Defaults that keep I4")."""
-
-    request_timeout_ms: int
-    retry_budget_ms: int
-    leader_ttl_ms: int
-    recovery_interval_ms: int
-
-    @property
-    def failover_ms(self) -> int:
-        return self.leader_ttl_ms + self.recovery_interval_ms
-
-    @property
-    def total_ms(self) -> int:
-        return self.request_timeout_ms + self.retry_budget_ms + self.failover_ms
-
-    @property
-    def recovery_grace_ms(self) -> int:
-        """How young a decided commit the recovery loop leaves to the call that decided it (which
-        retries its EndTxn that long): the loop's own EndTxn would race that call's. Waiting this
-        long keeps the reach: the loop starts by grace + failover after the decision, its request
-        lands within the request timeout, the sum `total_ms` already counts."""
-        return self.retry_budget_ms
-
-    def describe(self) -> str:
-        return (f"Kafka request timeout {self.request_timeout_ms} + commit retry budget {self.retry_budget_ms} + "
-                f"recovery-leader failover {self.failover_ms} (leader TTL {self.leader_ttl_ms} + loop interval "
-                f"{self.recovery_interval_ms}) = {self.total_ms} ms")
-
-
-# the default margin exceeds the commit reach by at least this much (a request's own latency)
-REACH_SLACK_MS = 3_000
-
-
-def validate_commit_reach(transaction_timeout_ms: int, commit_margin_ms: int, reach: CommitReach) -> None:
-    """Refuse a sink whose margin lets a decided commit's EndTxn land after the broker's timeout."""
-    if transaction_timeout_ms <= reach.total_ms + REACH_SLACK_MS:
-        raise e.Invalid(
-            "transaction_timeout_below_commit_reach",
-            f"transaction_timeout_ms={transaction_timeout_ms} leaves no time for a batch: the commit margin must "
-            f"exceed how long a decided commit may still reach Kafka ({reach.describe()}), so the timeout must be "
-            f"well above {reach.total_ms + REACH_SLACK_MS} ms (at least twice that is sensible), or those settings lower.",
-            field="transaction_timeout_ms",
-            commit_reach_ms=reach.total_ms,
-            transaction_timeout_ms=transaction_timeout_ms,
-        )
-    if commit_margin_ms <= reach.total_ms:
-        raise e.Invalid(
-            "commit_margin_below_commit_reach",
-            f"commit_margin_ms={commit_margin_ms} must exceed how long a decided commit may still reach Kafka: "
-            f"{reach.describe()}; otherwise a commit decided just inside the margin can land after the broker "
-            f"aborted the transaction (I4). Use commit_margin_ms >= {reach.total_ms + REACH_SLACK_MS} (with "
-            f"transaction_timeout_ms above it), or lower those settings.",
-            field="commit_margin_ms",
-            commit_margin_ms=commit_margin_ms,
-            commit_reach_ms=reach.total_ms,
-            transaction_timeout_ms=transaction_timeout_ms,
-        )
-
-
-def validate_timeouts(transaction_timeout_ms: int, commit_margin_ms: int, broker_max_ms: int) -> None:
-    if transaction_timeout_ms > broker_max_ms:
-        raise e.Invalid(
-            "transaction_timeout_above_broker_max",
-            f"transaction_timeout_ms={transaction_timeout_ms} exceeds the broker's "
-            f"transaction.max.timeout.ms={broker_max_ms}; the producer would be refused at "
-            "InitProducerId. Lower the sink's timeout or raise the broker maximum.",
-            field="transaction_timeout_ms",
-        )
-    if commit_margin_ms < 0:
-        raise e.Invalid(
-            "commit_margin_negative",
-            f"commit_margin_ms={commit_margin_ms} must not be negative: the timeout gate would then "
-            "decide commits of transactions the broker has already aborted",
-            field="commit_margin_ms",
-        )
-    if commit_margin_ms >= transaction_timeout_ms:
-        raise e.Invalid(
-            "commit_margin_too_large",
-            f"commit_margin_ms={commit_margin_ms} must be below transaction_timeout_ms="
-            f"{transaction_timeout_ms}, or no commit could ever pass the timeout gate",
-            field="commit_margin_ms",
-        )
-
-
-def default_commit_margin_ms(transaction_timeout_ms: int, reach: CommitReach | None = None) -> int:
-    """A tenth of the timeout, at least 5 s (but never the whole timeout); with the coordinator's
-    commit reach, at least the reach plus REACH_SLACK_MS (validation refuses it if that leaves no
-    time for a batch)."""
-    margin = min(max(transaction_timeout_ms // 10, 5_000), transaction_timeout_ms // 2)
-    if reach is not None:
-        margin = max(margin, reach.total_ms + REACH_SLACK_MS)
-    return margin
-
+from .model import Attempt, Checkpoint, IdPool, Lease, PartitionResult, PrecommitRecord, Sink
+from .states import AttemptState, CheckpointState, LeaseState
 
 # --- generations and lineage -----------------------------------------------------------------
 
@@ -249,36 +101,64 @@ def check_offsets(bound_digest: str | None, given_digest: str | None, batch_id: 
     )
 
 
-# --- leases and pre-commits ------------------------------------------------------------------
+# --- the id pool and leases ------------------------------------------------------------------
 
 
-def validate_quarantine(quarantine_ms: int, max_lease_age_ms: int, init_timeout_ms: int, request_timeout_ms: int) -> None:
-    """No quick reuse: an id freed from an undecided try stays out of the pool until no try of it
-    can still reach the broker. A try starts InitProducerId only on a lease younger than
-    max_lease_age_ms, and init_transactions gives up after init_timeout_ms (a request already sent
-    may still arrive up to a request timeout later), so the quarantine must exceed their sum."""
-    reach_ms = max_lease_age_ms + init_timeout_ms + request_timeout_ms
-    if quarantine_ms <= reach_ms:
-        raise e.Invalid(
-            "transactional_id_quarantine_too_short",
-            f"transactional_id_quarantine_ms={quarantine_ms} must exceed lease_max_init_age_ms "
-            f"({max_lease_age_ms}) + producer_init_timeout_ms ({init_timeout_ms}) + "
-            f"producer_request_timeout_ms ({request_timeout_ms}) = {reach_ms}: a stalled task try could "
-            "otherwise initialise its id after the id was leased again and fence the new lease's transaction",
-            field="transactional_id_quarantine_ms",
+@dataclass(frozen=True)
+class PoolPick:
+    """The ids a grant takes, and the pool after it."""
+
+    ordinals: tuple[int, ...]
+    pool: IdPool
+
+
+def pick_ids(pool: IdPool, busy: Set[int], count: int, max_size: int) -> PoolPick:
+    """`count` free ids of the pool, round-robin from its cursor (the least recently leased first),
+    growing the pool up to `max_size` when too few are free. `busy`: the ordinals held by an
+    unresolved lease or in quarantine (I3, no quick reuse)."""
+    cursor = pool.cursor if pool.cursor < pool.size else 0
+    rotation = [*range(cursor, pool.size), *range(0, cursor)]
+    taken = [n for n in rotation if n not in busy][:count]
+    size = pool.size
+    while len(taken) < count and size < max_size:
+        if size not in busy:
+            taken.append(size)
+        size += 1
+    if len(taken) < count:
+        raise e.Unavailable(
+            e.POOL_EXHAUSTED,
+            f"the sink's transactional id pool is exhausted: {count} id(s) asked, {len(taken)} free of at most "
+            f"{max_size} (max_pool_size); ids come back when their transactions are resolved (and, after an abort, "
+            "their quarantine ends): retry later, or raise max_pool_size",
+            asked=count, free=len(taken), max_pool_size=max_size,
         )
+    after = taken[-1] + 1 if taken else cursor
+    return PoolPick(tuple(taken), IdPool(pool.sink_id, size, after if after < size else 0))
 
 
-def is_first_try(stage_attempt: int, task_attempt: int) -> bool:
-    """Only the first try of a partition (stage attempt 0, task attempt 0) uses the id pre-leased at
-    begin; every other try leases its own, so no two tries ever share an id."""
-    return stage_attempt == 0 and task_attempt == 0
+class LeaseAction(StrEnum):
+    AGAIN = "again"  # this try asked before: the same lease
+    CLAIM = "claim"  # the partition's pre-lease, which no try holds yet: this try takes it
+    GRANT = "grant"  # a fresh id from the pool
 
 
+def decide_lease(own: Lease | None, pre_lease: Lease | None) -> LeaseAction:
+    """A task try's lease for its partition. A pre-lease is single-use: the first try to ask
+    claims it with its task attempt id, and every other try (a retry, a speculative copy, a try of
+    a resubmitted stage, which PySpark's TaskContext cannot tell from a first try) gets its own id,
+    so no two tries ever share one."""
+    if own is not None:
+        if own.state is not LeaseState.LEASED:
+            raise e.Conflict(e.STALE_LEASE, f"lease {own.id} of this try is {own.state}", lease_id=own.id,
+                             lease_state=str(own.state))
+        return LeaseAction.AGAIN
+    if pre_lease is not None and pre_lease.state is LeaseState.PRELEASED:
+        return LeaseAction.CLAIM
+    return LeaseAction.GRANT
 
 
 def check_attempt_writable(attempt: Attempt, current_attempt: int, generation: int) -> None:
-    """Leases and pre-commits are only for the current, open attempt of the caller's generation."""
+    """Leases and commits are only for the current, open attempt of the caller's generation."""
     if attempt.generation != generation:
         raise e.Conflict(
             e.STALE_GENERATION if generation < attempt.generation else e.STALE_ATTEMPT,
@@ -318,8 +198,8 @@ def check_partition(partition: int, max_partitions: int) -> None:
 
 
 def transaction_deadline(leased_at: datetime, transaction_timeout_ms: int) -> datetime:
-    """The latest the broker can abort this lease's transaction. The lease exists before its
-    producer, so the broker's clock for the transaction starts no earlier than this."""
+    """The latest the broker can abort this lease's transaction. A try gets its lease before its
+    producer exists, so the broker's clock for the transaction starts no earlier than this."""
     return leased_at + timedelta(milliseconds=transaction_timeout_ms)
 
 
@@ -333,37 +213,10 @@ def deadline_too_close(lease: Lease, now: datetime, margin_ms: int) -> bool:
     return lease.deadline_at - now < timedelta(milliseconds=margin_ms)
 
 
-PrecommitRequest = PrecommitRecord  # the pre-commit route's name for it
-
-
-def precommit_already_recorded(lease: Lease, request: PrecommitRecord) -> bool:
-    """True if this is a retry of the pre-commit that was stored; a different one is refused."""
-    if lease.state not in (LeaseState.PRECOMMITTED, LeaseState.COMMITTING, LeaseState.COMMITTED):
-        return False
-    stored = (lease.producer_id, lease.producer_epoch, lease.records, lease.bytes)
-    given = request.identity()
-    if stored != given:
-        raise e.Conflict(
-            e.PRECOMMIT_MISMATCH,
-            f"lease {lease.id} was already pre-committed with different values",
-            stored=dict(zip(("producer_id", "producer_epoch", "records", "bytes"), stored)),
-        )
-    return True
-
-
-def check_precommit(lease: Lease, now: datetime, margin_ms: int) -> None:
-    """A new pre-commit needs a live lease whose transaction can still pass the commit gate."""
-    if lease.state is not LeaseState.LEASED:
-        raise e.Conflict(e.STALE_LEASE, f"lease {lease.id} is {lease.state}", lease_state=str(lease.state))
-    if deadline_too_close(lease, now, margin_ms):
-        raise e.Conflict(
-            e.DEADLINE_TOO_CLOSE,
-            f"lease {lease.id}'s transaction has {remaining_ms(lease, now)} ms left before the "
-            f"broker may abort it, below the safety margin of {margin_ms} ms; the task must fail "
-            "so Spark retries it with a fresh transaction",
-            remaining_ms=remaining_ms(lease, now),
-            margin_ms=margin_ms,
-        )
+def same_record(lease: Lease, record: PrecommitRecord) -> bool:
+    """Whether a decided winner's stored record is this one (a retried commit names it again)."""
+    return (lease.producer_id, lease.producer_epoch, lease.records, lease.bytes) == (
+        record.producer_id, record.producer_epoch, record.records, record.bytes)
 
 
 # --- commit ----------------------------------------------------------------------------------
@@ -371,12 +224,10 @@ def check_precommit(lease: Lease, now: datetime, margin_ms: int) -> None:
 
 @dataclass(frozen=True)
 class CommitPlan:
-    winners: tuple[Lease, ...]
-    losers: tuple[Lease, ...]  # undecided leases of the attempt that must end aborted (on Kafka)
-    # winners whose pre-commit record came with the commit: stored with the decision
-    records: tuple[tuple[Lease, PrecommitRecord], ...] = ()
-    # first-try pre-leases of partitions that were empty: no producer ever used them, so they are
-    # freed without touching Kafka
+    # each partition's winner with the pre-commit record its try reported (stored with the decision)
+    winners: tuple[tuple[Lease, PrecommitRecord], ...]
+    losers: tuple[Lease, ...]  # leases tries held that did not win: their transactions end aborted on Kafka
+    # pre-leases no try claimed: no producer ever used them, so they are freed without touching Kafka
     unused: tuple[Lease, ...] = ()
 
 
@@ -393,55 +244,57 @@ def validate_partition_results(results: Sequence[PartitionResult], max_partition
         )
 
 
-def plan_commit(
-    attempt_leases: Iterable[Lease], results: Sequence[PartitionResult], max_partitions: int
-) -> CommitPlan:
-    """Choose winners from the driver's partition results; every other undecided lease loses."""
+def plan_commit(attempt_leases: Iterable[Lease], results: Sequence[PartitionResult], max_partitions: int, *,
+                now: datetime, margin_ms: int) -> CommitPlan:
+    """Choose winners from the driver's partition results (every other undecided lease loses),
+    and pass them through the timeout gate (I4)."""
     validate_partition_results(results, max_partitions)
     by_id = {lease.id: lease for lease in attempt_leases}
-    winners: list[Lease] = []
-    records: list[tuple[Lease, PrecommitRecord]] = []
+    winners: list[tuple[Lease, PrecommitRecord]] = []
     for result in results:
         if result.lease_id is None:
             continue
         lease = by_id.get(result.lease_id)
         if lease is None:
-            raise e.Conflict(
-                e.STALE_LEASE,
-                f"lease {result.lease_id} is not a lease of this attempt",
-                lease_id=result.lease_id,
-            )
+            raise e.Conflict(e.STALE_LEASE, f"lease {result.lease_id} is not a lease of this attempt",
+                             lease_id=result.lease_id)
         if lease.partition != result.partition:
-            raise e.Conflict(
-                e.LEASE_MISMATCH,
-                f"lease {lease.id} was taken for partition {lease.partition}, not {result.partition}",
-                lease_id=lease.id,
-            )
-        if result.precommit is not None and lease.state is LeaseState.LEASED:
-            records.append((lease, result.precommit))
-        elif lease.state is LeaseState.PRECOMMITTED:
-            if result.precommit is not None:
-                precommit_already_recorded(lease, result.precommit)  # the same transaction, or refused
-        else:
+            raise e.Conflict(e.LEASE_MISMATCH,
+                             f"lease {lease.id} was taken for partition {lease.partition}, not {result.partition}",
+                             lease_id=lease.id)
+        if winner_expired(lease, now, margin_ms):  # the recovery loop aborted it: the gate refuses it as well
+            check_commit_deadlines([lease], now, margin_ms)
+        if lease.state is not LeaseState.LEASED or result.precommit is None:
             raise e.Conflict(
                 e.WINNER_NOT_PRECOMMITTED,
-                f"lease {lease.id} of partition {lease.partition} is {lease.state}, not PRECOMMITTED"
-                + ("" if lease.state is not LeaseState.LEASED else " (and the commit carries no pre-commit record for it)"),
+                f"lease {lease.id} of partition {lease.partition} is {lease.state}"
+                + (", and the commit carries no pre-commit record for it" if result.precommit is None else
+                   ", not held by a task try"),
                 lease_id=lease.id,
                 lease_state=str(lease.state),
             )
-        winners.append(lease)
-    winner_ids = {w.id for w in winners}
-    empty = {r.partition for r in results if r.lease_id is None}
-    undecided = [x for x in by_id.values() if x.id not in winner_ids and x.state in UNDECIDED_LEASE_STATES]
-    unused = tuple(x for x in undecided if x.first_try and x.state is LeaseState.LEASED and x.partition in empty)
-    losers = tuple(x for x in undecided if x not in unused)
-    return CommitPlan(winners=tuple(winners), losers=losers, records=tuple(records), unused=unused)
+        if result.precommit.task_attempt_id != lease.task_attempt_id:
+            raise e.Conflict(
+                e.LEASE_NOT_CLAIMED,
+                f"the record for lease {lease.id} of partition {lease.partition} comes from task try "
+                f"{result.precommit.task_attempt_id}, but the lease is held by try {lease.task_attempt_id}: a try "
+                "writes only on the lease it was given",
+                lease_id=lease.id, holder=lease.task_attempt_id, reported_by=result.precommit.task_attempt_id,
+            )
+        winners.append((lease, result.precommit))
+    check_commit_deadlines([w for w, _ in winners], now, margin_ms)
+    winner_ids = {w.id for w, _ in winners}
+    others = [x for x in by_id.values() if x.id not in winner_ids]
+    return CommitPlan(
+        winners=tuple(winners),
+        losers=tuple(x for x in others if x.state is LeaseState.LEASED),
+        unused=tuple(x for x in others if x.state is LeaseState.PRELEASED),
+    )
 
 
 def check_commit_deadlines(winners: Iterable[Lease], now: datetime, margin_ms: int) -> None:
     """The timeout gate (I4): no commit is decided for a transaction the broker may abort soon."""
-    limit = now + timedelta(milliseconds=margin_ms)  # deadline_too_close for each, the sum done once
+    limit = now + timedelta(milliseconds=margin_ms)
     close = [w for w in winners if w.deadline_at < limit]
     if close:
         worst = min(close, key=lambda w: w.deadline_at)
@@ -456,14 +309,16 @@ def check_commit_deadlines(winners: Iterable[Lease], now: datetime, margin_ms: i
 
 
 def check_same_winners(requested: Sequence[PartitionResult], durable_winners: Iterable[Lease]) -> None:
-    """A retried commit of a decided checkpoint must name the winners that were decided."""
+    """A retried commit of a decided checkpoint must name the winners, and records, that were decided."""
+    decided = {w.id: w for w in durable_winners}
     asked = {(r.partition, r.lease_id) for r in requested if r.lease_id is not None}
-    decided = {(w.partition, w.id) for w in durable_winners}
-    if asked != decided:
+    if asked != {(w.partition, w.id) for w in decided.values()} or any(
+            r.precommit is not None and not same_record(decided[r.lease_id], r.precommit)
+            for r in requested if r.lease_id is not None):
         raise e.Conflict(
             e.WINNER_MISMATCH,
             "this checkpoint's commit was already decided with other winners",
-            decided=sorted([p, lid] for p, lid in decided),
+            decided=sorted([w.partition, w.id] for w in decided.values()),
         )
 
 

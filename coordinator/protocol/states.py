@@ -1,7 +1,19 @@
-"""The four state machines of the protocol (DESIGN.md §3) and their legal transitions.
+"""The three state machines of the protocol (DESIGN.md §3) and their legal transitions.
 
-Every state change the storage layer makes is a compare-and-set from one of these old states to
-one of these new states; `require_transition` is the single place that says which moves exist.
+Theory of operation, in one paragraph. A **checkpoint** is one micro-batch of one sink; it stays
+OPEN while attempts write it, becomes COMMITTING when a commit is decided (durably, with every
+winner's producer id and epoch), and COMMITTED once Kafka committed every winner (or LOST if Kafka
+refused one for good). An **attempt** is one try at writing the checkpoint under one driver
+generation. A **lease** is one pooled transactional id held for one partition of one attempt:
+taken at begin for the partition's first try (PRELEASED), claimed by the task try that asks first
+or granted fresh to any other try (LEASED), then chosen as its partition's winner (COMMITTING ->
+COMMITTED) or ended on Kafka (ABORTING -> ABORTED). A lease is *unresolved* while its id may hold
+an open transaction; the id goes back to the pool only when it is resolved (I3), after a
+quarantine when a try that did not win may still reach the broker.
+
+Every state change the store makes is a compare-and-set from the old states named here to one
+new state; `require_transition` is the one place that says which moves exist, and
+`docs/protocol.md` draws these tables (tests/test_docs.py checks the drawing against them).
 """
 
 from __future__ import annotations
@@ -24,26 +36,20 @@ class AttemptState(StrEnum):
     OPEN = "OPEN"
     COMMITTING = "COMMITTING"
     COMMITTED = "COMMITTED"
-    ABORTED = "ABORTED"  # superseded, abandoned, refused by the timeout gate, or aborted by hand
+    ABORTED = "ABORTED"  # superseded, fenced, refused by the timeout gate, or aborted by the driver
     LOST = "LOST"  # decided, but Kafka refused a winner's commit for good (its checkpoint is LOST)
 
 
 class LeaseState(StrEnum):
-    LEASED = "LEASED"  # id handed to a task attempt; a transaction may be open on it
-    PRECOMMITTED = "PRECOMMITTED"  # flushed, producer id and epoch stored
-    COMMITTING = "COMMITTING"  # chosen winner of a decided commit
+    PRELEASED = "PRELEASED"  # taken at begin for a partition's first try; no try holds it yet
+    LEASED = "LEASED"  # held by one task try (Spark's task attempt id): a transaction may be open on it
+    COMMITTING = "COMMITTING"  # its partition's winner in a decided commit, pre-commit record stored
     COMMITTED = "COMMITTED"
     ABORTING = "ABORTING"  # must be aborted on Kafka before its id is free again
     ABORTED = "ABORTED"
-    # a winner whose commit Kafka refused for good: its id is fenced (aborted) on Kafka before it
-    # is free again, like ABORTING, and the lease then ends LOST
+    # a winner whose commit Kafka refused for good: its id is fenced on Kafka like ABORTING, then LOST
     LOST_ABORTING = "LOST_ABORTING"
     LOST = "LOST"
-
-
-class TransactionalIdState(StrEnum):
-    FREE = "FREE"  # known to hold no unresolved transaction: may be leased (I3)
-    LEASED = "LEASED"  # held by exactly one lease that is not yet resolved
 
 
 CHECKPOINT_TRANSITIONS: dict[CheckpointState, frozenset[CheckpointState]] = {
@@ -62,13 +68,10 @@ ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
 }
 
 LEASE_TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
-    # LEASED -> COMMITTING: a winner whose pre-commit record came with the commit (stored with the
-    # decision); LEASED -> ABORTED: a first try's pre-lease whose partition was empty (no producer
-    # ever existed on it, so there is nothing to abort on Kafka)
-    LeaseState.LEASED: frozenset(
-        {LeaseState.PRECOMMITTED, LeaseState.COMMITTING, LeaseState.ABORTING, LeaseState.ABORTED}
-    ),
-    LeaseState.PRECOMMITTED: frozenset({LeaseState.COMMITTING, LeaseState.ABORTING}),
+    # PRELEASED -> ABORTED: no try ever held it (its partition was empty, or every try asked after
+    # the attempt ended), so no producer exists on it and there is nothing to abort on Kafka
+    LeaseState.PRELEASED: frozenset({LeaseState.LEASED, LeaseState.ABORTED}),
+    LeaseState.LEASED: frozenset({LeaseState.COMMITTING, LeaseState.ABORTING}),
     LeaseState.COMMITTING: frozenset({LeaseState.COMMITTED, LeaseState.LOST_ABORTING}),
     LeaseState.COMMITTED: frozenset(),
     LeaseState.ABORTING: frozenset({LeaseState.ABORTED}),
@@ -77,22 +80,15 @@ LEASE_TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
     LeaseState.LOST: frozenset(),
 }
 
-TRANSACTIONAL_ID_TRANSITIONS: dict[TransactionalIdState, frozenset[TransactionalIdState]] = {
-    TransactionalIdState.FREE: frozenset({TransactionalIdState.LEASED}),
-    TransactionalIdState.LEASED: frozenset({TransactionalIdState.FREE}),
-}
-
 _TABLES = {
     CheckpointState: CHECKPOINT_TRANSITIONS,
     AttemptState: ATTEMPT_TRANSITIONS,
     LeaseState: LEASE_TRANSITIONS,
-    TransactionalIdState: TRANSACTIONAL_ID_TRANSITIONS,
 }
 
-# Leases whose transactional id may still hold an unresolved transaction on the broker.
-UNRESOLVED_LEASE_STATES = frozenset(
-    {LeaseState.LEASED, LeaseState.PRECOMMITTED, LeaseState.COMMITTING, LeaseState.ABORTING, LeaseState.LOST_ABORTING}
-)
+# Leases whose transactional id may still hold an unresolved transaction on the broker: the id is
+# not free (I3). The store keeps `resolved_at` NULL exactly for these.
+UNRESOLVED_LEASE_STATES = frozenset(s for s in LeaseState if LEASE_TRANSITIONS[s])
 # Leases whose transaction must still be aborted on Kafka, and the state each ends in after it.
 ABORT_PENDING_STATES: dict[LeaseState, LeaseState] = {
     LeaseState.ABORTING: LeaseState.ABORTED,
@@ -102,8 +98,8 @@ ABORT_PENDING_STATES: dict[LeaseState, LeaseState] = {
 LOST_LEASE_STATES = frozenset({LeaseState.LOST_ABORTING, LeaseState.LOST})
 # Leases of a decided attempt's winners, whatever their commit on Kafka came to.
 WINNING_LEASE_STATES = frozenset({LeaseState.COMMITTING, LeaseState.COMMITTED, *LOST_LEASE_STATES})
-# Leases of an attempt that has not been decided yet and that must end aborted if it is not.
-UNDECIDED_LEASE_STATES = frozenset({LeaseState.LEASED, LeaseState.PRECOMMITTED})
+# Leases of an attempt that has not been decided yet: a decision or an abort ends them.
+UNDECIDED_LEASE_STATES = frozenset({LeaseState.PRELEASED, LeaseState.LEASED})
 
 
 def require_transition(old: StrEnum, new: StrEnum) -> None:

@@ -1,7 +1,8 @@
-"""Engine creation and schema migrations (Alembic, run programmatically)."""
+"""Engine creation, the database's clock, and schema migrations (Alembic, run programmatically)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from importlib.resources import files
 from pathlib import Path
 
@@ -9,10 +10,9 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine, text
 
-from . import driver_sql
-from .connections import RECYCLE_S
+_NOW = text("SELECT clock_timestamp()")
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -24,22 +24,17 @@ def sqlalchemy_url(url: str) -> str:
 
 
 def make_engine(url: str, pool_size: int = 20) -> Engine:
-    """Up to 2 x pool_size connections, as before, but all kept open once opened: overflow
-    connections were closed on return, so a burst of concurrent calls (64 executors leasing at
-    once) opened and closed Postgres sessions continuously (~20 new backends/s measured)."""
-    engine = create_engine(
-        sqlalchemy_url(url),
-        pool_size=2 * pool_size,
-        max_overflow=0,
-        # no pre-ping (a round trip per checkout, ~10% of a protocol call): the service retries a
-        # transaction whose pooled connection turns out to be dead instead
-        pool_pre_ping=False,
-        pool_recycle=RECYCLE_S,
-    )
-    # psycopg's DEALLOCATE ALL after a rollback drops the hot path's prepared statements too; and
-    # no statement may follow one that committed its transaction
-    driver_sql.hook_engine(engine)
-    return engine
+    """A pooled engine. Connections are kept open once opened (no overflow that closes them on
+    return: a burst of executors' calls would otherwise open and close sessions continuously)."""
+    return create_engine(sqlalchemy_url(url), pool_size=pool_size, max_overflow=0, pool_pre_ping=True,
+                         pool_recycle=1800)
+
+
+def database_now(conn: Connection) -> datetime:
+    """The database's clock (`clock_timestamp()`, not the transaction's start): one clock for
+    every replica."""
+    value = conn.execute(_NOW).scalar_one()
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def alembic_config(url: str) -> Config:

@@ -1,19 +1,16 @@
 """The one small interface through which the coordinator acts on Kafka (DESIGN.md §3 step 5, §4).
 
-`commit` finishes a pre-committed transaction from another process by resume (EndTxn with the
-stored transactional id, producer id and epoch); `abort` ends whatever transaction an id may hold
-(initialising a producer on it fences and aborts it); `transaction_outcome` reads the partition
-log as a read_committed consumer at the transaction's first offsets, so that a refused commit is
-declared lost only when the log shows its records were dropped (DESIGN.md §3 Revisions). The real implementation on Kafka's wire
-protocol plugs in here; a KIP-939 (prepared transactions) variant would be another one.
-
-A pass is the calls over one batch's transactions (the commits of its winners, the aborts of its
-losers): `commit_all` and `abort_all`, when a plane has them, make a whole pass at once and answer
-each transaction's `CallOutcome` in order; the wire plane runs a pass as one coroutine on its
-connection's IO thread. A plane without them is called one transaction at a time from the
-service's threads (`service/kafka_passes.py`). Either way a pass keeps one rule (`Reach`): once a
-call got no answer from the broker and no call got one, the calls not started yet are not made
-(`NOT_TRIED`, retriable: their transactions stay pending for the next pass).
+`commit_all` finishes pre-committed transactions from another process by resume (EndTxn with the
+stored transactional id, producer id and epoch); `abort_all` ends whatever transaction each id may
+hold (initialising a producer on it fences and aborts it). Both take a batch's transactions at
+once (a *pass*) and answer each one's `CallOutcome` in order; a pass keeps one rule (`Reach`):
+once a call got no answer from the broker and no call got one, the calls not started yet are not
+made (`NOT_TRIED`, retriable: their transactions stay pending for the next pass), so an
+unreachable broker costs one retry budget, not one per transaction. `transaction_outcome` reads
+the partition log as a read_committed consumer at the transaction's first offsets, so that a
+refused commit is declared lost only when the log shows its records were dropped (DESIGN.md §3
+Revisions). The real implementation on Kafka's wire protocol plugs in here (kafka/wire/); a
+KIP-939 (prepared transactions) variant would be another one.
 
 `RecordingControlPlane` is the explicit "no Kafka control plane" mode: it touches no broker and
 only records what it was asked to do. It exists for tests and must never run in production;
@@ -23,10 +20,11 @@ only records what it was asked to do. It exists for tests and must never run in 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ..protocol.rules import commit_refusal_is_final
 
@@ -171,9 +169,17 @@ class BrokerCheck:
 class KafkaControlPlane(Protocol):
     name: str
 
-    def commit(self, target: KafkaTarget, txn: PreparedTransaction) -> None: ...
+    def commit_all(self, target: KafkaTarget, txns: Sequence[PreparedTransaction], parallelism: int,
+                   budget_ms: int | None = None) -> list[CallOutcome]:
+        """Commit each transaction by resume (EndTxn), at most `parallelism` calls at once,
+        retrying transient failures for `budget_ms` (None: the plane's retry budget); each one's
+        outcome in order."""
+        ...
 
-    def abort(self, target: KafkaTarget, transactional_id: str) -> None: ...
+    def abort_all(self, target: KafkaTarget, transactional_ids: Sequence[str], parallelism: int,
+                  budget_ms: int | None = None) -> list[CallOutcome]:
+        """End whatever transaction each id may hold (InitProducerId fences it); outcomes in order."""
+        ...
 
     def transaction_outcome(
         self, target: KafkaTarget, txn: PreparedTransaction, first_offsets: Sequence[FirstOffset]
@@ -201,15 +207,10 @@ class KafkaControlPlane(Protocol):
     def close(self) -> None: ...
 
 
-class PassingControlPlane(KafkaControlPlane, Protocol):
-    """A control plane that also makes whole passes (the module's docstring): each transaction's
-    outcome in order, at most `parallelism` calls at once, and the pass's rule (`Reach`) kept."""
-
-    def commit_all(self, target: KafkaTarget, txns: Sequence[PreparedTransaction],
-                   parallelism: int) -> list[CallOutcome]: ...
-
-    def abort_all(self, target: KafkaTarget, transactional_ids: Sequence[str],
-                  parallelism: int) -> list[CallOutcome]: ...
+def raise_for(outcome: CallOutcome) -> None:
+    """A single call's outcome as a single call answers it: nothing, or its error raised."""
+    if outcome.error is not None:
+        raise outcome.error
 
 
 class RecordingControlPlane:
@@ -260,6 +261,14 @@ class RecordingControlPlane:
                 self.aborts.append((target.sink_name, transactional_id))
             self._end(transactional_id)
 
+    def commit_all(self, target: KafkaTarget, txns: Sequence[PreparedTransaction], parallelism: int,
+                   budget_ms: int | None = None) -> list[CallOutcome]:
+        return call_by_call(lambda txn: self.commit(target, txn), txns)
+
+    def abort_all(self, target: KafkaTarget, transactional_ids: Sequence[str], parallelism: int,
+                  budget_ms: int | None = None) -> list[CallOutcome]:
+        return call_by_call(lambda tid: self.abort(target, tid), transactional_ids)
+
     def _end(self, transactional_id: str) -> None:
         self.open_transactions = [t for t in self.open_transactions if t.transactional_id != transactional_id]
 
@@ -292,3 +301,25 @@ class RecordingControlPlane:
     def close(self) -> None:
         pass
 
+
+
+Item = TypeVar("Item")
+
+
+def call_by_call(call: Callable[[Item], None], items: Sequence[Item]) -> list[CallOutcome]:
+    """A pass made of single calls, one after the other, keeping the pass's rule (`Reach`): a plane
+    whose calls cost nothing (the recording one, the simulation's model) needs no concurrency."""
+    reach = Reach()
+    out: list[CallOutcome] = []
+    for item in items:
+        if out and (instead := reach.give_up(out[-1].error)) is not None:
+            out.extend(CallOutcome(instead) for _ in items[len(out):])
+            break
+        started = time.monotonic()
+        try:
+            call(item)
+        except ControlPlaneError as exc:
+            out.append(CallOutcome(reach.note(exc), time.monotonic() - started))
+        else:
+            out.append(CallOutcome(reach.note(None), time.monotonic() - started))
+    return out

@@ -32,7 +32,6 @@ from kafka.protocol.producer import (
     InitProducerIdRequest,
 )
 
-from ...on_loop import refuse_blocking
 from ..control_plane import (
     OpenTransaction,
     PartitionStability,
@@ -89,7 +88,6 @@ class _BrokerClient:
         """Bootstrap once for every caller, within `timeout_ms` of this caller's time, waiting for
         another caller's bootstrap included: 16 calls queued behind each other's timed-out tries
         took 16 timeouts each, far past their retry budget."""
-        refuse_blocking("a Kafka request")
         if self._manager.bootstrapped:
             return
         deadline = time.monotonic() + timeout_ms / 1000
@@ -106,7 +104,6 @@ class _BrokerClient:
             self._bootstrap_lock.release()
 
     def run(self, coro: Callable[..., Awaitable[T]], *args: Any) -> T:
-        refuse_blocking("a Kafka request")  # the service runs Kafka work in its threads
         return self._manager.run(coro, *args)
 
     # --- on the IO thread: what a pass's coroutine (passes.py) runs its calls with ---------------

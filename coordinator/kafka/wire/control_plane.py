@@ -13,7 +13,8 @@ commit(target, txn)
 
 commit_all, abort_all
     A whole pass (passes.py): the requests, retries and verdicts of commit and abort for each of a
-    batch's transactions, in rounds run by one coroutine on the connection's IO thread.
+    batch's transactions, in rounds run by one coroutine on the connection's IO thread. A single
+    commit or abort (`commit`, `abort`) is a pass of one.
 
 abort(target, transactional_id)
     InitProducerId(transactional_id, transaction_timeout_ms). The broker bumps the id's epoch,
@@ -118,6 +119,7 @@ from ..control_plane import (
     CallOutcome,
     ControlPlaneError,
     FirstOffset,
+    raise_for,
     KafkaTarget,
     OpenTransaction,
     PartitionStability,
@@ -195,19 +197,12 @@ class KafkaWireControlPlane:
     # --- the interface -------------------------------------------------------------------------
 
     def commit(self, target: KafkaTarget, txn: PreparedTransaction) -> None:
-        self._resumable(txn)
-
-        def attempt(client: _BrokerClient, timeout_ms: int) -> None:
-            self._committed(client.run(client.end_txn, txn, True, self.end_txn_max_version, timeout_ms), txn)
-
-        self._call(target, txn.transactional_id, "commit", attempt)
+        """One transaction's commit: a pass of one."""
+        raise_for(self.commit_all(target, [txn], 1)[0])
 
     def abort(self, target: KafkaTarget, transactional_id: str) -> None:
-        def attempt(client: _BrokerClient, timeout_ms: int) -> None:
-            self._fenced(client.run(client.init_producer_id, transactional_id, target.transaction_timeout_ms,
-                                    timeout_ms), transactional_id)
-
-        self._call(target, transactional_id, "abort", attempt)
+        """One id's abort: a pass of one."""
+        raise_for(self.abort_all(target, [transactional_id], 1)[0])
 
     @staticmethod
     def _resumable(txn: PreparedTransaction) -> None:
@@ -235,8 +230,9 @@ class KafkaWireControlPlane:
         log.info("aborted (fenced) %s: broker moved it to pid=%s epoch=%s",
                  transactional_id, response.producer_id, response.producer_epoch)
 
-    def commit_all(self, target: KafkaTarget, txns: Sequence[PreparedTransaction], parallelism: int) -> list[CallOutcome]:
-        """`commit` of each transaction, as one pass (passes.py); each one's outcome in order."""
+    def commit_all(self, target: KafkaTarget, txns: Sequence[PreparedTransaction], parallelism: int,
+                   budget_ms: int | None = None) -> list[CallOutcome]:
+        """EndTxn(commit) of each transaction, as one pass (passes.py); each one's outcome in order."""
         outcomes: list[CallOutcome | None] = [None] * len(txns)
         valid = []
         for i, txn in enumerate(txns):
@@ -249,19 +245,21 @@ class KafkaWireControlPlane:
         async def attempt(client: _BrokerClient, k: int, timeout_ms: int) -> None:
             self._committed(await client.end_txn(txns[valid[k]], True, self.end_txn_max_version, timeout_ms), txns[valid[k]])
 
-        done = passes.run_pass(self, target, [txns[i].transactional_id for i in valid], "commit", attempt, parallelism)
+        done = passes.run_pass(self, target, [txns[i].transactional_id for i in valid], "commit", attempt, parallelism,
+                               budget_ms)
         for i, outcome in zip(valid, done):
             outcomes[i] = outcome
         return outcomes  # type: ignore[return-value]
 
-    def abort_all(self, target: KafkaTarget, transactional_ids: Sequence[str], parallelism: int) -> list[CallOutcome]:
-        """`abort` of each id, as one pass (passes.py); each one's outcome in order."""
+    def abort_all(self, target: KafkaTarget, transactional_ids: Sequence[str], parallelism: int,
+                  budget_ms: int | None = None) -> list[CallOutcome]:
+        """InitProducerId on each id, as one pass (passes.py); each one's outcome in order."""
 
         async def attempt(client: _BrokerClient, k: int, timeout_ms: int) -> None:
             tid = transactional_ids[k]
             self._fenced(await client.init_producer_id(tid, target.transaction_timeout_ms, timeout_ms), tid)
 
-        return passes.run_pass(self, target, list(transactional_ids), "abort", attempt, parallelism)
+        return passes.run_pass(self, target, list(transactional_ids), "abort", attempt, parallelism, budget_ms)
 
     def transaction_outcome(
         self, target: KafkaTarget, txn: PreparedTransaction, first_offsets: Sequence[FirstOffset]

@@ -52,11 +52,12 @@ class _Plane(Protocol):
 
 
 def run_pass(plane: _Plane, target: KafkaTarget, keys: Sequence[str], what: str, attempt: Attempt,
-             parallelism: int) -> list[CallOutcome]:
-    """Each transaction's outcome, in the order of `keys` (their transactional ids)."""
+             parallelism: int, budget_ms: int | None = None) -> list[CallOutcome]:
+    """Each transaction's outcome, in the order of `keys` (their transactional ids); transient
+    failures retried for `budget_ms` (None: the plane's retry budget)."""
     n = len(keys)
     started = time.monotonic()
-    deadline = started + plane.retry_budget_ms / 1000
+    deadline = started + (plane.retry_budget_ms if budget_ms is None else budget_ms) / 1000
     first_try: list[float | None] = [None] * n
     outcomes: list[CallOutcome | None] = [None] * n
     tries = [0] * n

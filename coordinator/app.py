@@ -55,8 +55,6 @@ def create_app_from_env() -> FastAPI:
             settings.dashboard_viewer_token.get_secret_value() if settings.dashboard_viewer_token else None
         ),
         dashboard_secure_cookie=settings.dashboard_secure_cookie,
-        fast_lane=settings.http_fast_lane,
-        calls_on_loop=settings.http_calls_on_loop,
     )
     if settings.recovery_enabled:
         loop = RecoveryLoop(
@@ -64,6 +62,7 @@ def create_app_from_env() -> FastAPI:
             finish_grace_ms=settings.commit_reach().recovery_grace_ms,
             history_retention=(timedelta(hours=settings.history_retention_hours)
                                if settings.history_retention_hours else None),
+            sweep_interval_ms=settings.recovery_sweep_interval_ms,
         )
         with_recovery_loop(app, loop)
     else:

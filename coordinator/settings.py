@@ -10,7 +10,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from . import DEFAULT_DATA_DIR
-from .protocol import rules
+from .protocol import configuration as rules
 
 
 class Settings(BaseSettings):
@@ -40,9 +40,9 @@ class Settings(BaseSettings):
     # and kafka-python client settings for security (JSON, e.g. {"security_protocol":
     # "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "coordinator"}).
     # Together with the recovery leader's TTL and interval these bound how late a decided commit
-    # may reach Kafka (rules.CommitReach, 20 s with the defaults); every sink's commit margin must
-    # exceed it (registration refuses it otherwise), so the defaults are kept small: the default
-    # margin of a 60 s transaction is then 23 s, leaving 37 s from a lease to the commit decision.
+    # may reach Kafka (configuration.CommitReach, 22 s with the defaults); every sink's commit margin
+    # must exceed it (registration refuses it otherwise), so the defaults are kept small: the default
+    # margin of a 60 s transaction is then 25 s, leaving 35 s from a lease to the commit decision.
     kafka_request_timeout_ms: int = Field(4_000, ge=100)
     kafka_retry_budget_ms: int = Field(8_000, ge=0)
     kafka_client_config: dict[str, Any] = {}
@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     recovery_enabled: bool = True
     recovery_interval_ms: int = Field(2_000, ge=10)
     recovery_leader_ttl_ms: int = Field(6_000, ge=50)
+    # how often the recovery loop lists each Kafka cluster's open transactions (one request per
+    # cluster, whatever the number of sinks) to abort those no lease explains
+    recovery_sweep_interval_ms: int = Field(30_000, ge=100)
     # The recovery loop's leader prunes the history (attempts, leases, events) of COMMITTED batches
     # committed longer ago than this (service/history.py; `coordinator prune-history` does it by
     # hand). Unset: the whole history is kept.
@@ -77,12 +80,6 @@ class Settings(BaseSettings):
     dashboard_viewer_token: SecretStr | None = None
     # Mark the dashboard's session cookie Secure (set it when the service is reached over HTTPS).
     dashboard_secure_cookie: bool = False
-    # begin and commit's common case answered without FastAPI's machinery (coordinator/http/fast_lane.py;
-    # the answers are the same). false: FastAPI answers every call.
-    http_fast_lane: bool = True
-    # the fast lane's calls run on the event loop, their database waits awaited (coordinator/on_loop.py);
-    # false: each in a thread, as FastAPI runs a sync route.
-    http_calls_on_loop: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")
@@ -93,6 +90,7 @@ class Settings(BaseSettings):
                 f"COORDINATOR_RECOVERY_INTERVAL_MS={self.recovery_interval_ms}, or the leader's lease lapses "
                 "between its renewals")
         reach = self.commit_reach()
+        reach.check()
         if reach.total_ms + rules.REACH_SLACK_MS >= self.broker_max_transaction_timeout_ms:
             raise ValueError(
                 f"no sink could keep I4 under these settings: a decided commit may reach Kafka up to "

@@ -11,7 +11,7 @@ the fix when it is not ok.
   (e.g. no KIP-664 ListTransactions) is a warning, not a failure;
 - the sink's timeouts against the coordinator's own limits (COORDINATOR_BROKER_MAX_TRANSACTION_TIMEOUT_MS,
   COORDINATOR_RESTART_BUDGET_MS), and its commit margin against how late a decided commit may
-  reach Kafka under the settings (rules.CommitReach: I4);
+  reach Kafka under the settings (configuration.CommitReach: I4);
 - transactional-id prefix clashes between sinks (one prefix a prefix of another's: their pooled
   ids could collide);
 - the history kept (its size on disk and its oldest unpruned batch) against the retention
@@ -26,12 +26,17 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, select, text
+from sqlalchemy import Engine, create_engine
 
 from ..kafka.control_plane import BrokerCheck, KafkaTarget
+from ..protocol import configuration as rules
 from ..protocol import errors as e
-from ..protocol import rules
+from ..protocol.configuration import transactional_id_for
 from ..settings import Settings
+from ..store import history as store_history
+from ..store import pool as store_pool
+from ..store import sinks as store_sinks
+from ..store.db import database_now
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -83,7 +88,7 @@ def check_database(url: str | None) -> tuple[list[Finding], Engine | None]:
     where = engine.url.render_as_string(hide_password=True)
     try:
         with engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
+            database_now(conn)
             current = MigrationContext.configure(conn).get_current_revision()
     except Exception as exc:  # noqa: BLE001 - any failure to connect is the verdict
         engine.dispose()
@@ -117,20 +122,16 @@ HISTORY_WARN_BYTES = 1 << 30  # kept history above which no retention is worth a
 
 
 def check_history(engine: Engine, settings: Settings) -> Finding:
-    """The batch history's size (attempts, lease rows, events: what pruning deletes) and age."""
+    """The batch history's size (attempts, leases, events: what pruning deletes) and age."""
     with engine.connect() as conn:
-        size = int(conn.execute(text(
-            "SELECT sum(pg_total_relation_size(c.oid)) FROM pg_class AS c "
-            "WHERE c.relname IN ('attempts', 'lease_rows', 'events') AND c.relkind = 'r'")).scalar_one() or 0)
-        row = conn.execute(text(
-            "SELECT count(*) AS n, min(committed_at) AS oldest FROM checkpoints "
-            "WHERE state = 'COMMITTED' AND history_pruned_at IS NULL")).one()
-    kept = (f"{size / 2**20:,.0f} MB of history (attempts, lease rows, events) for {row.n:,} committed batch(es)"
-            + (f", the oldest committed {row.oldest:%Y-%m-%d %H:%M} UTC" if row.oldest else ""))
+        kept_now = store_history.kept(conn)
+    kept = (f"{kept_now.bytes / 2**20:,.0f} MB of history (attempts, leases, events) for {kept_now.batches:,} "
+            "committed batch(es)" + (f", the oldest committed {kept_now.oldest:%Y-%m-%d %H:%M} UTC"
+                                     if kept_now.oldest else ""))
     if settings.history_retention_hours:
         return Finding("database", "history", OK, f"{kept}; the recovery leader prunes batches older than "
                                                   f"{settings.history_retention_hours} h")
-    if size > HISTORY_WARN_BYTES:
+    if kept_now.bytes > HISTORY_WARN_BYTES:
         return Finding("database", "history", WARN, f"{kept}, and no retention is set: it grows with every batch",
                        "set COORDINATOR_HISTORY_RETENTION_HOURS (e.g. 720 for 30 days), or run "
                        "`coordinator prune-history --older-than 30d` (their checkpoint rows stay)")
@@ -139,24 +140,18 @@ def check_history(engine: Engine, settings: Settings) -> Finding:
 
 
 def registered_sinks(engine: Engine) -> list[SinkUnderCheck]:
-    from ..store.tables import sinks
-
     with engine.connect() as conn:
-        rows = conn.execute(select(sinks).order_by(sinks.c.name)).all()
+        found = store_sinks.live_sinks(conn)
     return [SinkUnderCheck(r.name, r.bootstrap_servers, r.transactional_id_prefix, r.transaction_timeout_ms,
-                           r.commit_margin_ms) for r in rows]
+                           r.commit_margin_ms) for r in found]
 
 
 def known_ids(engine: Engine, sink_name: str) -> set[str]:
-    from ..store.tables import sinks, transactional_ids
-
+    """The ids of the sink's pool: the ids the coordinator created under its prefix."""
     with engine.connect() as conn:
-        rows = conn.execute(
-            select(transactional_ids.c.transactional_id)
-            .join(sinks, sinks.c.id == transactional_ids.c.sink_id)
-            .where(sinks.c.name == sink_name)
-        )
-        return set(rows.scalars())
+        sink = store_sinks.sink_by_name(conn, sink_name, retired=True)
+        size = store_pool.read(conn, sink.id).size
+    return {transactional_id_for(sink.transactional_id_prefix, n) for n in range(size)}
 
 
 # --- per sink ----------------------------------------------------------------------------------
@@ -168,7 +163,7 @@ def check_timeouts(sink: SinkUnderCheck, settings: Settings) -> Finding:
     margin = sink.commit_margin_ms
     if margin is None:  # what registration would store
         margin = rules.default_commit_margin_ms(sink.transaction_timeout_ms, settings.commit_reach())
-    try:  # the rules registration applies (coordinator/protocol/rules.py)
+    try:  # the rules registration applies (coordinator/protocol/configuration.py)
         rules.validate_timeouts(sink.transaction_timeout_ms, margin, limit)
     except e.Invalid as exc:
         if exc.reason == "transaction_timeout_above_broker_max":

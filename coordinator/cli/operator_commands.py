@@ -231,7 +231,7 @@ def prune_history_cmd(args: argparse.Namespace) -> tuple[Any, str]:
         by_sink = ", ".join(f"{k}: {v}" for k, v in sorted(plan["by_sink"].items())) or "none"
         return plan, (f"{plan['candidates']} committed batch(es) of {scope} committed before {plan['cutoff']} "
                       f"would lose their history ({by_sink})")
-    total = {"pruned": 0, "attempts": 0, "lease_rows": 0, "events": 0}
+    total = {"pruned": 0, "attempts": 0, "leases": 0, "events": 0}
     while True:
         chunk = api.call("POST", "/v1/history/prune", body)
         for k in total:
@@ -241,7 +241,7 @@ def prune_history_cmd(args: argparse.Namespace) -> tuple[Any, str]:
             break
     return {**total, "cutoff": plan["cutoff"]}, (
         f"pruned the history of {total['pruned']} committed batch(es) of {scope} committed before {plan['cutoff']}: "
-        f"{total['attempts']} attempt(s), {total['lease_rows']} lease row(s), {total['events']} event(s); "
+        f"{total['attempts']} attempt(s), {total['leases']} lease(s), {total['events']} event(s); "
         "their checkpoint rows stay")
 
 

@@ -33,7 +33,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..protocol import errors as e
-from ..protocol.rules import _NAME_RE, _PREFIX_RE, MAX_NAME_LENGTH, MAX_PREFIX_LENGTH
+from ..protocol.configuration import _NAME_RE, _PREFIX_RE, MAX_NAME_LENGTH, MAX_PREFIX_LENGTH
 
 # --- limits ------------------------------------------------------------------------------------
 

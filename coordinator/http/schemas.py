@@ -6,8 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from typing_extensions import NotRequired, TypedDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..protocol.model import (
     FIRST_OFFSETS_KEPT,
@@ -18,8 +17,7 @@ from ..protocol.model import (
     PrecommitRecord,
     Sink,
 )
-from ..service import AbortOutcome, BatchSummary, BeginResult, CommitResult, LeasePage
-from .answers import answer_fields, json_text, millis
+from ..service import AbortOutcome, BatchSummary, BeginResult, CommitResult, LeaseGrant, LeasePage
 from .input import (
     AbortReason,
     BootstrapServers,
@@ -100,12 +98,13 @@ class HistoryPrune(Request):
 class BeginCheckpointRequest(Request):
     generation: Generation
     partitions: Annotated[int | None, Field(ge=0, le=100_000, description=(
-        "the batch's partition count: a write answer then carries a pre-leased transactional id for "
-        "each partition's first task try (stage attempt 0, task attempt 0); omit for no pre-leases"))] = None
+        "the batch's partition count: one transactional id per partition is then taken with the attempt, for "
+        "the first task try of each partition to claim (its lease call); omit for no pre-leases"))] = None
     offsets: Annotated[str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9:._-]+$", description=(
         "a digest of the offsets Spark planned for the batch (its offsets/<batch> entry); bound to the "
         "checkpoint at the first begin that names one, and a begin over other offsets is refused (409 "
-        "batch_offsets_mismatch). Optional for older clients"))] = None
+        "batch_offsets_mismatch). A begin without one is not checked: the writer sends none only when the "
+        "user chose to go without (its option coordinator.requireOffsets=false)"))] = None
 
 
 class LeaseRequest(Request):
@@ -114,45 +113,43 @@ class LeaseRequest(Request):
     task_attempt_id: TaskAttemptId
 
 
-class PrecommitBody(Request):
-    generation: Generation
-    producer_id: ProducerId
-    producer_epoch: ProducerEpoch
-    records: Annotated[Count, Field(ge=1, description="an empty partition takes no lease and never pre-commits")]
-    bytes: Count
-    write_ms: Millis | None = Field(None, description="the task's produce + flush time, for throughput figures")
-
-
 TopicPartitionOffset = tuple[OffsetTopic, Partition, Count]
 
 
-# A TypedDict, not a model: validated as a dict without a model's instance (and its Python
-# validator) per partition, then turned into records by CommitRequest.results() (a 200-partition
-# body's parse and conversion in 0.85x the time).
-class PartitionResultBody(TypedDict):
-    """One partition of the attempt: its winning lease (null if the partition was empty) and, when
-    the task returned it to the driver, the winner's pre-commit record (producer_id,
-    producer_epoch, records and bytes come together)."""
+class PartitionResultBody(Request):
+    """One partition of the attempt: its winning lease (null if the partition was empty) with the
+    pre-commit record the winning task try returned to the driver."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
     partition: Partition
-    lease_id: Annotated[LeaseId | None, Field(description="the winning lease; null for an empty partition")]
-    # the winner's pre-commit record from its Spark task result (all four, or none if the lease was
-    # pre-committed with the pre-commit call)
-    producer_id: NotRequired[ProducerId | None]
-    producer_epoch: NotRequired[ProducerEpoch | None]
-    records: NotRequired[Annotated[Count, Field(ge=1)] | None]
-    bytes: NotRequired[Count | None]
-    write_ms: NotRequired[Millis | None]
-    # the task try that wrote the record (Spark's task attempt id, as it claimed the lease)
-    task_attempt_id: NotRequired[TaskAttemptId | None]
-    first_offsets: NotRequired[Annotated[list[TopicPartitionOffset] | None, Field(max_length=100_000, description=(
+    lease_id: LeaseId | None = Field(description="the winning lease; null for an empty partition")
+    task_attempt_id: TaskAttemptId | None = Field(None, description="the task try that wrote it: the one that holds the lease")
+    producer_id: ProducerId | None = None
+    producer_epoch: ProducerEpoch | None = None
+    records: Annotated[Count, Field(ge=1)] | None = None
+    bytes: Count | None = None
+    write_ms: Millis | None = None
+    first_offsets: Annotated[list[TopicPartitionOffset] | None, Field(max_length=100_000, description=(
         "[topic, partition, offset]: the first offset the transaction wrote in a topic-partition, for "
         f"at most {FIRST_OFFSETS_KEPT} of them (the coordinator keeps the first {FIRST_OFFSETS_KEPT} as sent: "
-        "one conclusive read of the log tells whether the transaction committed)"))]]
+        "one conclusive read of the log tells whether the transaction committed)"))] = None
 
+    @model_validator(mode="after")
+    def _record_whole(self) -> PartitionResultBody:
+        record = (self.task_attempt_id, self.producer_id, self.producer_epoch, self.records, self.bytes)
+        if self.lease_id is not None and any(x is None for x in record):
+            raise ValueError("a winning lease comes with its whole pre-commit record: task_attempt_id, producer_id, "
+                             "producer_epoch, records and bytes")
+        if self.lease_id is None and any(x is not None for x in record):
+            raise ValueError("an empty partition (lease_id null) has no pre-commit record")
+        return self
 
-_RECORD_FIELDS = ("producer_id", "producer_epoch", "records", "bytes")
+    def result(self) -> PartitionResult:
+        if self.lease_id is None:
+            return PartitionResult(self.partition, None)
+        return PartitionResult(self.partition, self.lease_id, PrecommitRecord(
+            task_attempt_id=self.task_attempt_id, producer_id=self.producer_id,  # type: ignore[arg-type]
+            producer_epoch=self.producer_epoch, records=self.records, bytes=self.bytes,  # type: ignore[arg-type]
+            write_ms=self.write_ms, first_offsets=self.first_offsets and self.first_offsets[:FIRST_OFFSETS_KEPT]))
 
 
 class CommitRequest(Request):
@@ -162,30 +159,8 @@ class CommitRequest(Request):
     )
     job_ms: Millis | None = Field(None, description="the driver's Spark write job, start to end")
 
-    @field_validator("partitions")
-    @classmethod
-    def _records_whole(cls, partitions: list[PartitionResultBody]) -> list[PartitionResultBody]:
-        """One pass over the partitions (a validator per partition costs a Python call each)."""
-        for i, p in enumerate(partitions):
-            given = sum(p.get(name) is not None for name in _RECORD_FIELDS)
-            if given and given < 4:
-                raise ValueError(f"partitions[{i}]: producer_id, producer_epoch, records and bytes come together "
-                                 "(the pre-commit record)")
-            if given and p["lease_id"] is None:
-                raise ValueError(f"partitions[{i}]: a pre-commit record needs the lease_id it belongs to")
-        return partitions
-
     def results(self) -> list[PartitionResult]:
-        result, record = PartitionResult.from_every_field, PrecommitRecord.from_every_field
-        # (topic, partition, offset) tuples as validated: stored as JSON, where a tuple is an array;
-        # an older writer's longer list is cut to the first FIRST_OFFSETS_KEPT
-        return [
-            result(partition=p["partition"], lease_id=p["lease_id"], precommit=None if p.get("producer_id") is None
-                   else record(producer_id=p["producer_id"], producer_epoch=p["producer_epoch"], records=p["records"],
-                               bytes=p["bytes"], write_ms=p.get("write_ms"),
-                               first_offsets=(first := p.get("first_offsets")) and first[:FIRST_OFFSETS_KEPT]))
-            for p in self.partitions
-        ]
+        return [p.result() for p in self.partitions]
 
 
 class AbortRequest(Request):
@@ -223,7 +198,7 @@ class HistoryPruned(BaseModel):
     more: bool = Field(description="prunable batches are left: call again (a dry run: whether there are any)")
     candidates: int | None = Field(None, description="a dry run: the batches a prune would take now")
     attempts: int = 0
-    lease_rows: int = 0
+    leases: int = 0
     events: int = 0
     by_sink: dict[str, int] = Field(description="batches pruned (a dry run: prunable) by sink")
 
@@ -284,7 +259,7 @@ class LeaseOut(BaseModel):
     lease_id: int
     attempt: int | None = None
     partition: int
-    task_attempt_id: int
+    task_attempt_id: int | None = Field(description="the task try that holds it; null for a pre-lease no try claimed")
     transactional_id: str
     state: str
     leased_at: datetime
@@ -293,9 +268,8 @@ class LeaseOut(BaseModel):
     producer_epoch: int | None
     records: int | None
     bytes: int | None
-    precommitted_at: datetime | None
     resolved_at: datetime | None
-    write_ms: int | None = Field(None, description="the task's produce + flush time (reported with the pre-commit)")
+    write_ms: int | None = Field(None, description="the task's produce + flush time (reported with its record)")
 
     @classmethod
     def of(cls, x: Lease, attempt: int | None = None) -> LeaseOut:
@@ -303,20 +277,23 @@ class LeaseOut(BaseModel):
         return cls(lease_id=x.id, attempt=attempt, **fields)
 
 
-class LeaseGranted(LeaseOut):
-    transaction_timeout_ms: int
-    age_ms: int = Field(0, description="the lease's age when answered, by the database's clock")
-    max_lease_init_age_ms: int | None = Field(None, description="a task never starts init_transactions on a lease older")
+class LeaseRulesOut(BaseModel):
+    commit_margin_ms: int = Field(description="a task fails rather than return a transaction this close to its "
+                                  "deadline (the commit gate would refuse it)")
+    max_lease_init_age_ms: int = Field(description="a task never starts init_transactions on a lease older")
+    producer_init_timeout_ms: int = Field(description="the init_transactions timeout tasks use")
+    producer_request_timeout_ms: int = Field(description="the producer request timeout tasks use")
 
 
-class PreLeaseOut(BaseModel):
-    lease_id: int
-    partition: int
-    transactional_id: str
-    leased_at: datetime
-    deadline_at: datetime
+class LeaseGranted(LeaseOut, LeaseRulesOut):
     transaction_timeout_ms: int
-    age_ms: int = Field(description="the lease's age when answered, by the database's clock")
+    age_ms: int = Field(description="the lease's age when answered, by the database's clock: a task adds the time "
+                        "since the answer arrived by its own monotonic clock, never another machine's")
+
+    @classmethod
+    def of_grant(cls, g: LeaseGrant) -> LeaseGranted:
+        return cls(**LeaseOut.of(g.lease, g.attempt).model_dump(), **g.rules.__dict__,
+                   transaction_timeout_ms=g.transaction_timeout_ms, age_ms=g.age_ms)
 
 
 class BeginOut(BaseModel):
@@ -327,52 +304,25 @@ class BeginOut(BaseModel):
     resumed: bool = Field(description="a decided but unfinished commit was finished by this call")
     aborted: list[str] = Field(description="transactional ids of older attempts aborted")
     abort_pending: list[str] = Field(description="transactional ids of older attempts still to abort")
-    pre_leases: list[PreLeaseOut] = Field(
-        default_factory=list, description="with action write and a partition count: each partition's first-try lease"
-    )
-    commit_margin_ms: int | None = Field(None, description="a task fails rather than return a transaction this "
-                                         "close to its deadline (the commit gate would refuse it)")
-    max_lease_init_age_ms: int | None = Field(None, description="a task never starts init_transactions on a lease older")
-    producer_init_timeout_ms: int | None = Field(None, description="the init_transactions timeout tasks use")
-    producer_request_timeout_ms: int | None = Field(None, description="the producer request timeout tasks use")
+    pre_leased: int = Field(0, description="partitions whose first try's id was taken with the attempt")
+    commit_margin_ms: int | None = Field(None, description="with action write: see the lease's rules")
+    max_lease_init_age_ms: int | None = None
+    producer_init_timeout_ms: int | None = None
+    producer_request_timeout_ms: int | None = None
 
     @classmethod
     def of(cls, r: BeginResult) -> BeginOut:
-        return cls.model_validate(cls.fields_of(r))
-
-    @classmethod
-    def fields_of(cls, r: BeginResult) -> dict[str, Any]:
-        """The answer's fields as plain values (see `answer_fields`)."""
-        at = r.answered_at
-        # a batch's first tries share their times: each pair's figures and JSON text made once
-        # (the text as pydantic's core encodes a datetime field: 200 of them cost ~0.15 ms)
-        times: dict[tuple[datetime, datetime], tuple[str, str, int, int]] = {}
-
-        def times_of(x: Lease) -> tuple[str, str, int, int]:
-            key = (x.leased_at, x.deadline_at)
-            if key not in times:
-                times[key] = (json_text(x.leased_at), json_text(x.deadline_at), millis(x.deadline_at - x.leased_at),
-                              max(0, millis(at - x.leased_at)) if at is not None else 0)
-            return times[key]
-
-        return answer_fields(cls, dict(
+        return cls(
             action="write" if r.must_write else "skip",
             batch_id=r.checkpoint.batch_id,
             state=r.checkpoint.state,
-            attempt=r.attempt.number if r.attempt else None,
+            attempt=r.attempt.number if r.attempt and r.must_write else None,
             resumed=r.action == "resume",
             aborted=r.older_aborted,
             abort_pending=r.older_abort_pending,
-            pre_leases=[
-                dict(
-                    lease_id=x.id, partition=x.partition, transactional_id=x.transactional_id, leased_at=leased_at,
-                    deadline_at=deadline_at, transaction_timeout_ms=timeout, age_ms=age,
-                )
-                for x in r.pre_leases
-                for leased_at, deadline_at, timeout, age in (times_of(x),)
-            ],
-            **(r.lease_rules or {}),
-        ))
+            pre_leased=r.pre_leased,
+            **(r.lease_rules.__dict__ if r.lease_rules else {}),
+        )
 
 
 class CommittedPartition(BaseModel):
@@ -396,31 +346,18 @@ class CommitOut(BaseModel):
 
     @classmethod
     def of(cls, r: CommitResult) -> CommitOut:
-        return cls.model_validate(cls.fields_of(r))
-
-    @classmethod
-    def fields_of(cls, r: CommitResult) -> dict[str, Any]:
-        """The answer's fields as plain values (see `answer_fields`)."""
-        return answer_fields(cls, dict(
+        return cls(
             batch_id=r.checkpoint.batch_id,
             state=r.checkpoint.state,
             attempt=r.attempt.number,
-            committed=[
-                dict(
-                    partition=w.partition,
-                    lease_id=w.id,
-                    transactional_id=w.transactional_id,
-                    producer_id=w.producer_id,
-                    producer_epoch=w.producer_epoch,
-                    records=w.records,
-                    bytes=w.bytes,
-                )
-                for w in sorted(r.winners, key=lambda w: w.partition)
-            ],
+            committed=[CommittedPartition(partition=w.partition, lease_id=w.id, transactional_id=w.transactional_id,
+                                          producer_id=w.producer_id, producer_epoch=w.producer_epoch, records=w.records,
+                                          bytes=w.bytes)
+                       for w in sorted(r.winners, key=lambda w: w.partition)],
             aborted=r.aborts.aborted,
             abort_pending=r.aborts.pending,
             warnings=r.warnings,
-        ))
+        )
 
 
 class AbortOut(BaseModel):

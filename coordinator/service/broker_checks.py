@@ -11,7 +11,7 @@ on the other.
 `lingering_transactions`
     The open transactions under the sink's prefix that no unresolved lease explains (read only).
 `record_lso_lag`
-    The last-stable-offset lag gauges, set by the recovery loop every iteration.
+    The last-stable-offset lag gauges, set by the recovery loop for the sinks it has work for.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from sqlalchemy import select
 
 from ..kafka.broker import BlockingTransaction, PartitionWatch, StuckPartition, name_blocking_transactions
 from ..kafka.control_plane import (
@@ -32,10 +30,10 @@ from ..kafka.control_plane import (
     PartitionStability,
 )
 from ..protocol import errors as e
-from ..protocol import recovery_rules, rules
+from ..protocol import recovery_rules
+from ..protocol.configuration import transactional_id_for, transactional_id_stem
 from ..protocol.model import Sink
-from ..store import repo
-from ..store.tables import leases, transactional_ids
+from ..store import leases, pool
 from . import metrics
 
 if TYPE_CHECKING:
@@ -63,11 +61,10 @@ def _plane_and_target(coordinator: Coordinator, name: str) -> tuple[KafkaControl
     return coordinator.control_plane, KafkaTarget(sink.name, sink.bootstrap_servers, sink.transaction_timeout_ms), sink
 
 
-def known_transactional_ids(coordinator: Coordinator, sink_id: int) -> set[str]:
+def known_transactional_ids(coordinator: Coordinator, sink: Sink) -> set[str]:
     """Every transactional id of the sink's pool: the ids the coordinator created under its prefix."""
-    with coordinator.engine.connect() as conn:
-        rows = conn.execute(select(transactional_ids.c.transactional_id).where(transactional_ids.c.sink_id == sink_id))
-        return set(rows.scalars())
+    size = coordinator.ctx.read(lambda conn: pool.read(conn, sink.id)).size
+    return {transactional_id_for(sink.transactional_id_prefix, n) for n in range(size)}
 
 
 def check_sink_broker(coordinator: Coordinator, name: str) -> list[BrokerCheck]:
@@ -75,16 +72,16 @@ def check_sink_broker(coordinator: Coordinator, name: str) -> list[BrokerCheck]:
     prefix ("<prefix>-", as the pool names ids), with the sink's pool ids as the ids the
     coordinator knows. 503 without a control plane."""
     plane, target, sink = _plane_and_target(coordinator, name)
-    known = known_transactional_ids(coordinator, sink.id)
-    # pool ids are "<stem><ordinal>" (rules.transactional_id_for): only ids under the stem can collide
-    return plane.check_broker(target, rules.transactional_id_stem(sink.transactional_id_prefix), known)
+    known = known_transactional_ids(coordinator, sink)
+    # pool ids are "<stem><ordinal>" (transactional_id_for): only ids under the stem can collide
+    return plane.check_broker(target, transactional_id_stem(sink.transactional_id_prefix), known)
 
 
 def lingering_transactions(coordinator: Coordinator, name: str) -> list[OpenTransaction]:
     """The open transactions under the sink's prefix that no unresolved lease explains, read only
     (the dashboard shows them; the recovery loop's `Coordinator.sweep_lingering` aborts them)."""
     plane, target, sink = _plane_and_target(coordinator, name)
-    listed = plane.list_open_transactions(target, rules.transactional_id_stem(sink.transactional_id_prefix))
+    listed = plane.list_open_transactions(target, transactional_id_stem(sink.transactional_id_prefix))
     return recovery_rules.lingering(listed, coordinator.possibly_open_transactions(name)) if listed else []
 
 
@@ -105,8 +102,7 @@ def observe_partitions(coordinator: Coordinator, name: str, watch: PartitionWatc
         notes.append("the sink was registered without topics: nothing to observe")
     if stuck:
         pids = sorted({s.blocking_producer_id for s in stuck if s.blocking_producer_id is not None})
-        with coordinator.engine.connect() as conn:
-            related = repo.leases_where(conn, leases.c.sink_id == sink.id, leases.c.producer_id.in_(pids)) if pids else []
+        related = coordinator.ctx.read(lambda conn: leases.of_producers(conn, sink.id, pids)) if pids else []
         blocking = name_blocking_transactions(stuck, related)
         if any(s.blocking_producer_id is None for s in stuck):
             notes.append("the broker did not name the producer holding some partitions (DescribeProducers, KIP-664, "
@@ -118,7 +114,7 @@ def observe_partitions(coordinator: Coordinator, name: str, watch: PartitionWatc
 
 def record_lso_lag(coordinator: Coordinator, name: str) -> None:
     """Observe the sink's partitions and set their last-stable-offset lag gauges (the recovery
-    loop calls this every iteration). Best effort: a failure is logged, never raised."""
+    loop calls this for each sink it has work for). Best effort: a failure is logged, never raised."""
     try:
         plane, target, sink = _plane_and_target(coordinator, name)
         metrics.partitions_observed(name, plane.partition_stability(target, list(sink.topics)))

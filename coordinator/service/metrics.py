@@ -7,9 +7,7 @@ Two kinds:
   (`coordinator_recovery_leader` is 1 there).
 - State-derived gauges (open transactions, the oldest one's age, checkpoints by state), computed
   from the database at scrape time by `DatabaseCollector`, so every replica reports the same
-  truth. They read the view unresolved_leases (partial indexes on unresolved lease rows and on
-  unfinished attempts) and the (sink, state) checkpoint index,
-  and are cached for `ttl_s` so a burst of scrapes costs one query.
+  truth (store/gauges.py), cached for `ttl_s` so a burst of scrapes costs one read.
 
 Names follow Prometheus conventions: counters end in `_total` (prometheus_client adds it to the
 names below), durations are histograms in `_seconds`.
@@ -34,9 +32,10 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from ..protocol.states import UNRESOLVED_LEASE_STATES, LeaseState
+from ..store import gauges
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +58,6 @@ OFFSETS_MISMATCH = Counter(
 LOST_DATA_ACKNOWLEDGED = Counter(
     "coordinator_lost_data_acknowledged",
     "Operator acknowledgements that cleared a sink's lost-data halt",
-    ["sink"],
-)
-SINK_HALTED = Gauge(
-    "coordinator_sink_halted",
-    "1 while the sink refuses new batches because of lost data, as last seen by this process",
     ["sink"],
 )
 LINGERING_FOUND = Counter(
@@ -173,7 +167,7 @@ def partitions_observed(sink: str, partitions: Iterable[Any]) -> None:
 
 
 # gauges of a sink's state as this process last saw it; a retired sink's would keep their last value
-LAST_SEEN_BY_SINK = (SINK_HALTED, TRANSACTIONS_NEAR_TIMEOUT, PARTITION_LSO_LAG)
+LAST_SEEN_BY_SINK = (TRANSACTIONS_NEAR_TIMEOUT, PARTITION_LSO_LAG)
 
 
 def forget_sink(sink: str) -> None:
@@ -188,31 +182,6 @@ def forget_sink(sink: str) -> None:
 OPEN_STATES = tuple(s.value for s in LeaseState if s in UNRESOLVED_LEASE_STATES)
 # checkpoints still in flight or needing attention; COMMITTED ones are counted by the outcome counter
 CHECKPOINT_STATES = ("OPEN", "COMMITTING", "LOST")
-
-
-def _sql_list(values: Iterable[str]) -> str:
-    # literals, not parameters: the planner matches them against partial indexes
-    return "(" + ", ".join(f"'{v}'" for v in values) + ")"
-
-
-_OPEN_TRANSACTIONS = text(
-    f"""
-    SELECT s.name, l.state, count(*) AS n,
-           extract(epoch FROM now() - min(l.leased_at)) AS oldest_s
-      FROM unresolved_leases l JOIN sinks s ON s.id = l.sink_id
-     WHERE l.state IN {_sql_list(OPEN_STATES)}
-     GROUP BY s.name, l.state
-    """
-)
-_CHECKPOINTS = text(
-    f"""
-    SELECT s.name, c.state, count(*) AS n
-      FROM checkpoints c JOIN sinks s ON s.id = c.sink_id
-     WHERE c.state IN {_sql_list(CHECKPOINT_STATES)}
-     GROUP BY s.name, c.state
-    """
-)
-_SINKS = text("SELECT name FROM sinks WHERE retired_at IS NULL")
 
 
 class DatabaseCollector(Collector):
@@ -238,14 +207,14 @@ class DatabaseCollector(Collector):
         up = GaugeMetricFamily("coordinator_database_up", "1 if the last scrape could read the database")
         try:
             with self.engine.connect() as conn:
-                sinks = list(conn.execute(_SINKS).scalars())
-                open_rows = conn.execute(_OPEN_TRANSACTIONS).all()
-                checkpoint_rows = conn.execute(_CHECKPOINTS).all()
+                g = gauges.read(conn)
         except Exception:  # noqa: BLE001 - a scrape must answer even when the database does not
             log.warning("metrics: could not read the database", exc_info=True)
             up.add_metric([], 0)
             return [up]
         up.add_metric([], 1)
+        halted = GaugeMetricFamily("coordinator_sink_halted",
+                                   "1 while the sink refuses new batches because of lost data", labels=["sink"])
         open_tx = GaugeMetricFamily(
             "coordinator_open_transactions",
             "Transactions that may be open on Kafka (unresolved leases), by sink and lease state",
@@ -261,18 +230,14 @@ class DatabaseCollector(Collector):
             "Checkpoints now in flight or needing attention, by state (OPEN, COMMITTING, LOST)",
             labels=["sink", "state"],
         )
-        counts = {(r.name, r.state): r.n for r in open_rows}
-        ages: dict[str, float] = {}
-        for r in open_rows:
-            ages[r.name] = max(ages.get(r.name, 0.0), float(r.oldest_s or 0.0))
-        cp_counts = {(r.name, r.state): r.n for r in checkpoint_rows}
-        for sink in sorted(sinks):  # every state of every sink, zeros included, so series do not vanish
+        for sink in sorted(g.halted):  # every state of every sink, zeros included, so series do not vanish
+            halted.add_metric([sink], 1 if g.halted[sink] else 0)
             for state in OPEN_STATES:
-                open_tx.add_metric([sink, state], counts.get((sink, state), 0))
-            oldest.add_metric([sink], max(0.0, ages.get(sink, 0.0)))
+                open_tx.add_metric([sink, state], g.open_transactions.get((sink, state), 0))
+            oldest.add_metric([sink], max(0.0, g.oldest_open_s.get(sink, 0.0)))
             for state in CHECKPOINT_STATES:
-                cps.add_metric([sink, state], cp_counts.get((sink, state), 0))
-        return [up, open_tx, oldest, cps]
+                cps.add_metric([sink, state], g.checkpoints.get((sink, state), 0))
+        return [up, halted, open_tx, oldest, cps]
 
 
 def render(extra: CollectorRegistry | None = None) -> tuple[bytes, str]:

@@ -4,13 +4,18 @@ the dashboard and the tests read them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from ..kafka.control_plane import OpenTransaction
+from ..protocol.configuration import CommitReach
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
-from ..protocol import rules
 from ..protocol.rules import BeginAction
-from ..protocol.states import LeaseState
+from ..store.reads import BatchSummary, LeasePage
+
+__all__ = [
+    "AbortOutcome", "BatchSummary", "BeginResult", "CheckpointDetail", "CommitResult", "FinishOutcome", "LeaseGrant",
+    "LeasePage", "LeaseRules", "Limits", "OpenTransactions", "PoolUsage", "SinkOverview", "SinkSpec", "SweepOutcome",
+]
 
 
 @dataclass(frozen=True)
@@ -18,13 +23,12 @@ class Limits:
     max_partitions: int = 4096
     broker_max_transaction_timeout_ms: int = 900_000  # Kafka's default transaction.max.timeout.ms
     restart_budget_ms: int = 20_000
-    # Kafka commits/aborts of one checkpoint run this many at a time; 1 runs them in order (the
-    # simulation needs that, so a seed replays the same schedule).
+    # Kafka commits and aborts of one batch: at most this many calls at once
     kafka_parallelism: int = 16
     # No quick reuse (DESIGN §3 Revisions): an executor starts init_transactions only on a lease
     # younger than lease_max_init_age_ms, gives init_transactions producer_init_timeout_ms and its
     # requests producer_request_timeout_ms (all three sent to the driver with begin), so an id freed
-    # from an undecided try is reused only after a quarantine longer than their sum.
+    # from a try that did not win is reused only after a quarantine longer than their sum.
     lease_max_init_age_ms: int = 30_000
     producer_init_timeout_ms: int = 60_000
     producer_request_timeout_ms: int = 60_000
@@ -32,14 +36,14 @@ class Limits:
     # history younger than this is never pruned (service/history.py): a driver may still retry the
     # commit call of a batch it decided, and that answer is read from the batch's record
     history_min_retention_ms: int = 3_600_000
+    # the settings' bound on how late a decided commit may reach Kafka: sinks whose commit margin
+    # is not above it are refused, and finishers retry a commit only inside its window; None
+    # (library use, tests) skips the check and retries for the control plane's budget
+    commit_reach: CommitReach | None = None
 
     @property
     def quarantine(self) -> timedelta:
         return timedelta(milliseconds=self.transactional_id_quarantine_ms)
-
-    # the settings' bound on how late a decided commit may reach Kafka (rules.CommitReach): sinks
-    # whose commit margin is not above it are refused; None (library use, tests) skips the check
-    commit_reach: rules.CommitReach | None = None
 
 
 @dataclass(frozen=True)
@@ -60,22 +64,39 @@ class AbortOutcome:
 
 
 @dataclass(frozen=True)
+class LeaseRules:
+    """What every task try must respect, sent with begin and with each lease."""
+
+    commit_margin_ms: int
+    max_lease_init_age_ms: int
+    producer_init_timeout_ms: int
+    producer_request_timeout_ms: int
+
+
+@dataclass(frozen=True)
 class BeginResult:
     action: BeginAction
     checkpoint: Checkpoint
     attempt: Attempt | None
     older_aborted: list[str]
     older_abort_pending: list[str]
-    # with a write answer and a partition count: the lease of each partition's first task try
-    pre_leases: list[Lease] = field(default_factory=list)
-    answered_at: datetime | None = None  # the database's time when the pre-leases were read (their age)
-    # what tasks must respect (commit_margin_ms, max_lease_init_age_ms, producer_init_timeout_ms,
-    # producer_request_timeout_ms), with a write answer
-    lease_rules: dict[str, int] | None = None
+    pre_leased: int = 0  # partitions whose first try's id was taken with the attempt
+    lease_rules: LeaseRules | None = None  # with a write answer
 
     @property
     def must_write(self) -> bool:
         return self.action in (BeginAction.NEW_ATTEMPT, BeginAction.CONTINUE)
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """A task try's lease, with its age by the database's clock when answered."""
+
+    lease: Lease
+    attempt: int
+    age_ms: int
+    transaction_timeout_ms: int
+    rules: LeaseRules
 
 
 @dataclass(frozen=True)
@@ -88,21 +109,8 @@ class CommitResult:
 
 
 @dataclass(frozen=True)
-class _Decision:
-    """A decided commit and the winners still to commit on Kafka."""
-
-    sink: Sink
-    checkpoint: Checkpoint
-    attempt: Attempt
-    winners: list[Lease]
-    # when every winner is a first try on the attempt's row: the row's other first tries, as the
-    # decision ended them (ABORTED), for the mark that needs no read of the row
-    unused_first_tries: list[Lease] | None = None
-
-
-@dataclass(frozen=True)
 class FinishOutcome:
-    """What finishing the sink's decided commits did (recovery loop)."""
+    """What finishing a sink's decided commits did (recovery loop)."""
 
     committed: list[int] = field(default_factory=list)  # batch ids now COMMITTED
     lost: list[int] = field(default_factory=list)  # batch ids LOST (Kafka refused a winner for good)
@@ -115,7 +123,7 @@ class SweepOutcome:
 
     found: list[OpenTransaction] = field(default_factory=list)  # open, and unexplained by the database
     aborted: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # being leased right now (row locked): explained
+    skipped: list[str] = field(default_factory=list)  # leased since the broker was read: explained
     failed: dict[str, str] = field(default_factory=dict)
 
 
@@ -127,32 +135,8 @@ class CheckpointDetail:
 
 
 @dataclass(frozen=True)
-class BatchSummary:
-    """A checkpoint, its attempts and what its decided attempt's winners wrote, summed by Postgres:
-    a batch as the dashboard lists it, without loading its leases (a batch may have thousands)."""
-
-    checkpoint: Checkpoint
-    attempts: list[Attempt]
-    records: int | None  # None until a commit is decided
-    bytes: int | None
-
-    @property
-    def decided_attempt(self) -> Attempt | None:
-        return next((a for a in self.attempts if a.number == self.checkpoint.committed_attempt), None)
-
-
-@dataclass(frozen=True)
-class LeasePage:
-    """Some of a checkpoint's leases, by id, and how many it has in each state."""
-
-    leases: list[Lease]
-    by_state: dict[LeaseState, int]
-    more: bool  # leases of the state asked for follow the last one listed
-
-
-@dataclass(frozen=True)
 class SinkOverview:
-    """One sink as the dashboard's overview shows it (Reads.sink_overviews)."""
+    """One sink as the dashboard's overview shows it."""
 
     sink: Sink
     recent: list[tuple[Checkpoint, list[Attempt]]]  # its newest checkpoints, newest first
@@ -163,7 +147,7 @@ class SinkOverview:
 
 @dataclass(frozen=True)
 class OpenTransactions:
-    """A sink's possibly open transactions in brief (Reads.open_transactions_in_brief)."""
+    """A sink's possibly open transactions in brief."""
 
     count: int
     oldest: list[Lease]  # the first few, by lease time: the nearest their timeout

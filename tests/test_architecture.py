@@ -8,10 +8,12 @@ The import graph of coordinator/, sparkclient/, sim/ and bench/ is built from th
   itself; store/ and kafka/ only the core (and each itself); service/ no HTTP or CLI; http/ no
   CLI; nothing imports app.py (it wires; uvicorn loads it by name); sparkclient/ (the client
   side, installed on Spark's executors without the server's stack) imports nothing of coordinator/;
-- no module above MAX_LINES lines unless its docstring says why ("Long because ...").
+- no module above MAX_LINES lines;
+- every query in store/: outside it, coordinator/ takes from SQLAlchemy only the types it passes
+  around (Connection, Engine) and its exceptions, never a statement builder (select, text, ...).
 
-The checker is itself tested on a synthetic tree with a cycle, an outward import and a long
-module, each of which it must report.
+The checker is itself tested on a synthetic tree with a cycle, an outward import, a long module and
+a query outside store/, each of which it must report.
 
 An import of `a.b.c` is an edge to `a.b.c` only, not to the packages `a` and `a.b` whose
 `__init__` Python also runs: a package's `__init__` that imports its own submodules would
@@ -30,20 +32,20 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("coordinator", "sparkclient", "sim", "bench")
 MAX_LINES = 500
-LONG_REASON = "Long because"
+# what coordinator/ outside store/ may take from SQLAlchemy: the types it passes around
+SQLALCHEMY_OUTSIDE_STORE = {"Connection", "Engine"}
 
 # coordinator's layers, innermost first; each may import the ones listed for it (and itself)
 LAYERS = ("protocol", "store", "kafka", "service", "http", "cli")
 ALLOWED: dict[str, set[str]] = {
     "protocol": {"protocol"},
-    "store": {"protocol", "store", "root", "on_loop"},
-    "kafka": {"protocol", "kafka", "root", "on_loop"},
-    "service": {"protocol", "store", "kafka", "service", "root", "on_loop"},
-    "http": {"protocol", "store", "kafka", "service", "http", "root", "logs", "on_loop"},
-    "cli": {"protocol", "store", "kafka", "service", "http", "cli", "root", "settings", "logs", "on_loop"},
+    "store": {"protocol", "store", "root"},
+    "kafka": {"protocol", "kafka", "root"},
+    "service": {"protocol", "store", "kafka", "service", "root"},
+    "http": {"protocol", "store", "kafka", "service", "http", "root", "logs"},
+    "cli": {"protocol", "store", "kafka", "service", "http", "cli", "root", "settings", "logs"},
     "settings": {"protocol", "root"},
     "logs": set(),
-    "on_loop": set(),  # where blocking code waits or must not, for calls run on the event loop
     "root": set(),
     "app": {"protocol", "store", "kafka", "service", "http", "root", "settings", "logs"},
 }
@@ -169,7 +171,7 @@ def layer_of(module: str) -> str | None:
         return "root"
     if parts[1] in LAYERS:
         return parts[1]
-    if parts[1] in ("settings", "logs", "on_loop", "app"):
+    if parts[1] in ("settings", "logs", "app"):
         return parts[1]
     return "unknown"
 
@@ -195,10 +197,28 @@ def outward_imports(graph: dict[str, set[str]]) -> list[str]:
 def long_modules(modules: dict[str, Path], max_lines: int = MAX_LINES) -> list[str]:
     found = []
     for name, path in sorted(modules.items()):
-        source = path.read_text()
-        lines = source.count("\n")
-        if lines > max_lines and LONG_REASON not in (ast.get_docstring(ast.parse(source)) or ""):
+        lines = path.read_text().count("\n")
+        if lines > max_lines:
             found.append(f"{path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}: {lines} lines")
+    return found
+
+
+def queries_outside_store(modules: dict[str, Path]) -> list[str]:
+    """Every coordinator module outside store/ that takes a statement builder from SQLAlchemy."""
+    found = []
+    for name, path in sorted(modules.items()):
+        if layer_of(name) in (None, "store"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "sqlalchemy":
+                taken = {alias.name for alias in node.names} - SQLALCHEMY_OUTSIDE_STORE
+                if taken:
+                    found.append(f"{name} takes {sorted(taken)} from sqlalchemy")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sqlalchemy.") \
+                    and node.module != "sqlalchemy.exc":
+                found.append(f"{name} imports from {node.module}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith("sqlalchemy") for a in node.names):
+                found.append(f"{name} imports sqlalchemy whole")
     return found
 
 
@@ -227,8 +247,12 @@ def test_imports_point_inward(graph: dict[str, set[str]]) -> None:
     assert outward_imports(graph) == []
 
 
-def test_no_module_is_long_without_a_reason() -> None:
+def test_no_module_is_long() -> None:
     assert long_modules(collect_modules(REPO_ROOT, PACKAGES)) == []
+
+
+def test_every_query_is_in_store() -> None:
+    assert queries_outside_store(collect_modules(REPO_ROOT, PACKAGES)) == []
 
 
 # --- the checker on a deliberately broken tree ---------------------------------------------------
@@ -241,9 +265,9 @@ def _write(root: Path, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
-def test_the_checker_catches_a_cycle_an_outward_import_and_a_long_module(tmp_path: Path) -> None:
-    long_body = '"""A module with no reason to be long."""\n' + "x = 1\n" * (MAX_LINES + 1)
-    long_with_reason = '"""Long because the test says so."""\n' + "x = 1\n" * (MAX_LINES + 1)
+def test_the_checker_catches_a_cycle_an_outward_import_a_long_module_and_a_query_outside_store(tmp_path: Path) -> None:
+    long_body = '"""A module that is too long."""\n' + "x = 1\n" * (MAX_LINES + 1)
+    short_body = '"""A module just short enough."""\n' + "x = 1\n" * (MAX_LINES - 1)
     _write(tmp_path, {
         "coordinator/__init__.py": "",
         "coordinator/protocol/__init__.py": "",
@@ -260,7 +284,10 @@ def test_the_checker_catches_a_cycle_an_outward_import_and_a_long_module(tmp_pat
         "coordinator/http/__init__.py": "",
         "coordinator/http/api.py": "from ..service import ops\n",  # with the line above: a cycle
         "coordinator/http/big.py": long_body,
-        "coordinator/http/big_with_reason.py": long_with_reason,
+        "coordinator/http/fits.py": short_body,
+        "coordinator/service/query.py": "from sqlalchemy import Connection, select\n",
+        "coordinator/service/fine.py": "from sqlalchemy import Connection, Engine\nfrom sqlalchemy.exc import DBAPIError\n",
+        "coordinator/store/query.py": "from sqlalchemy import select, text\n",
         "sparkclient/__init__.py": "from coordinator.protocol import rules\n",
         "bench/measure.py": "",
         "bench/one.py": "from measure import x\n",
@@ -279,3 +306,5 @@ def test_the_checker_catches_a_cycle_an_outward_import_and_a_long_module(tmp_pat
     ]
     long = long_modules(collect_modules(tmp_path, PACKAGES))
     assert len(long) == 1 and long[0].endswith(f"big.py: {MAX_LINES + 2} lines")
+    assert queries_outside_store(collect_modules(tmp_path, PACKAGES)) == [
+        "coordinator.service.query takes ['select'] from sqlalchemy"]

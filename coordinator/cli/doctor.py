@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine
 
 from ..kafka.control_plane import BrokerCheck, KafkaTarget
 from ..protocol import configuration as rules
@@ -36,7 +36,7 @@ from ..settings import Settings
 from ..store import history as store_history
 from ..store import pool as store_pool
 from ..store import sinks as store_sinks
-from ..store.db import database_now
+from ..store.db import database_now, make_engine, schema_revision
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -73,23 +73,18 @@ def from_broker_check(scope: str, c: BrokerCheck) -> Finding:
 
 def check_database(url: str | None) -> tuple[list[Finding], Engine | None]:
     """Reachability and migrations. Returns the engine when the schema is usable (at head)."""
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
-
-    from ..store.db import alembic_config, sqlalchemy_url
-
     if url is None:
         return [Finding("database", "database", WARN,
                         "not checked: no --database-url given and COORDINATOR_DATABASE_URL is not set "
                         "(registered sinks cannot be listed either)",
                         "pass --database-url postgresql://user:pass@host:5432/db (the URL the service uses)")], None
     # a short connect timeout: an unreachable (black-holed) host is a verdict, not a hang
-    engine = create_engine(sqlalchemy_url(url), pool_size=1, connect_args={"connect_timeout": 10})
+    engine = make_engine(url, pool_size=1, connect_timeout_s=10)
     where = engine.url.render_as_string(hide_password=True)
     try:
         with engine.connect() as conn:
             database_now(conn)
-            current = MigrationContext.configure(conn).get_current_revision()
+            revision = schema_revision(conn)
     except Exception as exc:  # noqa: BLE001 - any failure to connect is the verdict
         engine.dispose()
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -97,9 +92,7 @@ def check_database(url: str | None) -> tuple[list[Finding], Engine | None]:
                         "check COORDINATOR_DATABASE_URL (host, port, database name, user and password) and that "
                         "Postgres is running and accepts connections from this host")], None
     findings = [Finding("database", "database", OK, f"the database {where} answers")]
-    script = ScriptDirectory.from_config(alembic_config(url))
-    head = script.get_current_head()
-    known = {rev.revision for rev in script.walk_revisions()}
+    current, head, known = revision.current, revision.head, revision.known
     if current == head:
         findings.append(Finding("database", "migrations", OK, f"the schema is at the migrations' head ({head})"))
         return findings, engine

@@ -114,14 +114,19 @@ def name_blocking_transactions(
 ) -> list[BlockingTransaction]:
     """Map each stuck partition's blocking producer to the coordinator's lease: an exact (producer
     id, epoch) match first, else an unresolved lease of that producer id (a pooled transactional
-    id keeps its producer id across epochs), else the newest lease of it. Without a lease, a
-    broker listing (ListTransactions / DescribeTransactions) may still name the transactional id."""
+    id keeps its producer id across epochs), else the newest lease of it; else, through the
+    broker's listing (ListTransactions / DescribeTransactions: producer id -> transactional id),
+    the unresolved lease holding that id (a try's producer id is known to the coordinator only once
+    its record comes with the commit). Without a lease, the listing may still name the id."""
     by_pid: dict[int, list[Lease]] = {}
+    by_tid: dict[str, Lease] = {}
+    unresolved = {s.value for s in UNRESOLVED_LEASE_STATES}
     for lease in leases_:
         if lease.producer_id is not None:
             by_pid.setdefault(lease.producer_id, []).append(lease)
+        if lease.state.value in unresolved:
+            by_tid[lease.transactional_id] = lease
     listed = {t.producer_id: t for t in open_transactions}
-    unresolved = {s.value for s in UNRESOLVED_LEASE_STATES}
     named = []
     for s in stuck:
         pid, epoch = s.blocking_producer_id, s.blocking_producer_epoch
@@ -137,6 +142,8 @@ def name_blocking_transactions(
         exact = [x for x in candidates if x.producer_epoch == epoch]
         open_ones = [x for x in candidates if x.state.value in unresolved]
         lease = (exact or open_ones or candidates or [None])[-1]
+        if lease is None and pid in listed:
+            lease = by_tid.get(listed[pid].transactional_id)
         if lease is not None:
             named.append(BlockingTransaction(
                 s.topic, s.partition, pid, epoch, lease.transactional_id, lease.id, lease.state.value, True,

@@ -102,8 +102,15 @@ def observe_partitions(coordinator: Coordinator, name: str, watch: PartitionWatc
         notes.append("the sink was registered without topics: nothing to observe")
     if stuck:
         pids = sorted({s.blocking_producer_id for s in stuck if s.blocking_producer_id is not None})
-        related = coordinator.ctx.read(lambda conn: leases.of_producers(conn, sink.id, pids)) if pids else []
-        blocking = name_blocking_transactions(stuck, related)
+        related = coordinator.ctx.read(lambda conn: [*leases.of_producers(conn, sink.id, pids),
+                                                     *leases.unresolved(conn, sink.id)]) if pids else []
+        try:  # producer id -> transactional id, for a try whose record has not come yet
+            listed = plane.list_open_transactions(target, transactional_id_stem(sink.transactional_id_prefix)) \
+                if pids else []
+        except ControlPlaneError as exc:
+            listed = []
+            notes.append(f"the broker's open transactions could not be listed ({exc.code})")
+        blocking = name_blocking_transactions(stuck, related, listed)
         if any(s.blocking_producer_id is None for s in stuck):
             notes.append("the broker did not name the producer holding some partitions (DescribeProducers, KIP-664, "
                          "Kafka >= 3.0, unsupported or refused)")

@@ -303,9 +303,9 @@ class RecoveryLoop:
         except Exception as exc:  # noqa: BLE001
             for r in reports.values():
                 r.errors[SWEEP] = f"{type(exc).__name__}: {exc}"
-            self._failed(cluster, SWEEP, exc)
+            self._failed(cluster, SWEEP, exc, _cluster_label(cluster, members))
         else:
-            self._succeeded(cluster, SWEEP)
+            self._succeeded(cluster, SWEEP, _cluster_label(cluster, members))
         return list(reports.values())
 
     # --- backoff --------------------------------------------------------------------------------
@@ -314,7 +314,8 @@ class RecoveryLoop:
         b = self._backoff.get((name, step))
         return b is not None and self._monotonic() < b.until
 
-    def _failed(self, name: str, step: str, exc: Exception) -> None:
+    def _failed(self, name: str, step: str, exc: Exception, label: str | None = None) -> None:
+        """Back the step off (exponential, capped); say so once per change of failure."""
         error = f"{type(exc).__name__}: {exc}"
         metrics.RECOVERY_ERRORS.labels(step).inc()
         b = self._backoff.setdefault((name, step), _Backoff())
@@ -326,12 +327,13 @@ class RecoveryLoop:
         b.error = error
         log.log(logging.WARNING if changed else logging.DEBUG,
                 "recovery loop: step %s of %s failed (%d in a row; next try in %.1f s): %s",
-                step, name, b.failures, delay_ms / 1000, error)
+                step, label or f"sink {name}", b.failures, delay_ms / 1000, error)
 
-    def _succeeded(self, name: str, step: str) -> None:
+    def _succeeded(self, name: str, step: str, label: str | None = None) -> None:
         failed = self._backoff.pop((name, step), None)
         if failed is not None:
-            log.info("recovery loop: step %s of %s succeeds again after %d failure(s)", step, name, failed.failures)
+            log.info("recovery loop: step %s of %s succeeds again after %d failure(s)", step, label or f"sink {name}",
+                     failed.failures)
 
     # --- leadership, pruning, the thread -----------------------------------------------------------
 
@@ -402,6 +404,11 @@ class RecoveryLoop:
 
 def _cluster_key(bootstrap_servers: str) -> str:
     return ",".join(sorted(s.strip() for s in bootstrap_servers.split(",") if s.strip()))
+
+
+def _cluster_label(cluster: str, members: list[Sink]) -> str:
+    names = ", ".join(s.name for s in members[:5]) + (f" and {len(members) - 5} more" if len(members) > 5 else "")
+    return f"cluster {cluster} (sink{'s' if len(members) > 1 else ''} {names})"
 
 
 def _without_figures(error: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.resources import files
 from pathlib import Path
@@ -23,11 +24,12 @@ def sqlalchemy_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str, pool_size: int = 20) -> Engine:
+def make_engine(url: str, pool_size: int = 20, connect_timeout_s: int | None = None) -> Engine:
     """A pooled engine. Connections are kept open once opened (no overflow that closes them on
     return: a burst of executors' calls would otherwise open and close sessions continuously)."""
+    connect_args = {} if connect_timeout_s is None else {"connect_timeout": connect_timeout_s}
     return create_engine(sqlalchemy_url(url), pool_size=pool_size, max_overflow=0, pool_pre_ping=True,
-                         pool_recycle=1800)
+                         pool_recycle=1800, connect_args=connect_args)
 
 
 def database_now(conn: Connection) -> datetime:
@@ -50,6 +52,19 @@ def migrate(url: str, revision: str = "head") -> None:
 
 def downgrade(url: str, revision: str) -> None:
     command.downgrade(alembic_config(url), revision)
+
+
+@dataclass(frozen=True)
+class SchemaRevision:
+    current: str | None  # the database's revision (None: no coordinator schema)
+    head: str  # the migrations' newest
+    known: set[str]  # every revision the migrations know
+
+
+def schema_revision(conn: Connection) -> SchemaRevision:
+    script = ScriptDirectory.from_config(alembic_config(conn.engine.url.render_as_string(hide_password=False)))
+    return SchemaRevision(MigrationContext.configure(conn).get_current_revision(), script.get_current_head() or "",
+                          {r.revision for r in script.walk_revisions()})
 
 
 def schema_is_current(engine: Engine) -> bool:

@@ -45,8 +45,8 @@ from coordinator.kafka import build_control_plane
 from coordinator.kafka.control_plane import ControlPlaneError, KafkaTarget, PreparedTransaction
 from coordinator.kafka.wire.control_plane import KafkaWireControlPlane
 from coordinator.protocol.invariants import check_invariants
-from coordinator.protocol.model import PartitionResult
-from coordinator.protocol.rules import BeginAction, PrecommitRequest
+from coordinator.protocol.model import PartitionResult, PrecommitRecord
+from coordinator.protocol.rules import BeginAction
 from coordinator.protocol.states import CheckpointState, LeaseState
 from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.settings import Settings
@@ -696,7 +696,7 @@ def test_coordinator_commits_on_the_broker_and_aborts_a_superseded_attempt(
     c.register_sink(SinkSpec(name=name, transactional_id_prefix=tid("orders-eos"), bootstrap_servers=broker.proxied_bootstrap,
                              topics=[topic], transaction_timeout_ms=60_000), ACTOR)
 
-    # attempt 1: one executor writes and pre-commits, then the driver dies
+    # attempt 1: one executor writes and flushes (its record on its way to the driver), then the driver dies
     gen1, _ = c.start_generation(name, "query-1", "run-1", ACTOR)
     first = c.begin_checkpoint(name, batch, gen1, ACTOR)
     assert first.action is BeginAction.NEW_ATTEMPT and first.attempt is not None
@@ -704,7 +704,6 @@ def test_coordinator_commits_on_the_broker_and_aborts_a_superseded_attempt(
     stale = ProducerProcess(broker.bootstrap, stale_lease.transactional_id, topic, partition=0, stay=True)
     try:
         s = stale.wait_ready()
-        c.precommit(name, stale_lease.id, gen1, PrecommitRequest(s.producer_id, s.producer_epoch, s.records, 30))
 
         # the restarted driver's generation supersedes attempt 1: its lease is aborted on the broker
         proxy.clear()
@@ -717,19 +716,19 @@ def test_coordinator_commits_on_the_broker_and_aborts_a_superseded_attempt(
     finally:
         stale.close()
 
-    # attempt 2: two executors (separate processes) write partitions 0 and 1 and pre-commit
+    # attempt 2: two executors (separate processes) write partitions 0 and 1; their records come with the commit
     second = c.begin_checkpoint(name, batch, gen2, ACTOR)
     assert second.action is BeginAction.NEW_ATTEMPT and second.attempt is not None
     assert second.attempt.number == first.attempt.number + 1
     leases = [c.begin_partition(name, batch, second.attempt.number, gen2, p, 100 + p) for p in (0, 1)]
     stats = run_transactional_producers(broker.bootstrap, [(x.transactional_id, topic, x.partition) for x in leases])
-    for lease, st in zip(leases, stats, strict=True):
-        c.precommit(name, lease.id, gen2, PrecommitRequest(st.producer_id, st.producer_epoch, st.records, 30))
     assert is_open(broker.bootstrap, topic, 0) and is_open(broker.bootstrap, topic, 1)
 
     proxy.clear()
     result = c.commit(name, batch, second.attempt.number, gen2,
-                      [PartitionResult(0, leases[0].id), PartitionResult(1, leases[1].id)], ACTOR)
+                      [PartitionResult(x.partition, x.id, PrecommitRecord(x.task_attempt_id, st.producer_id,
+                                                                          st.producer_epoch, st.records, 30))
+                       for x, st in zip(leases, stats, strict=True)], ACTOR)
 
     assert result.checkpoint.state is CheckpointState.COMMITTED
     assert sorted(w.id for w in result.winners) == sorted(x.id for x in leases)

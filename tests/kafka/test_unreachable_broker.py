@@ -50,6 +50,7 @@ def test_an_unreachable_broker_is_refused_then_retried_quietly_and_shutdown_is_f
         "COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS": "1000",
         "COORDINATOR_KAFKA_RETRY_BUDGET_MS": "3000",
         "COORDINATOR_RECOVERY_INTERVAL_MS": "500",
+        "COORDINATOR_RECOVERY_SWEEP_INTERVAL_MS": "500",
     })
     with svc:
         admin = svc.client(ADMIN)
@@ -68,7 +69,8 @@ def test_an_unreachable_broker_is_refused_then_retried_quietly_and_shutdown_is_f
         time.sleep(20)  # 40 sweeps, each failing with a line or more of its own if nothing held them back
         lines = svc.log_path.read_text().splitlines()[before:]
         logged = [line for line in svc.log_path.read_text().splitlines() if broker in line]
-        assert any("recovery loop: step sweep of sink down failed" in line for line in logged), svc.log()
+        assert any(f"recovery loop: step sweep of cluster {broker} (sink down) failed" in line for line in logged), \
+            svc.log()
         assert len(lines) <= 10, f"{len(lines)} log lines in 20 s of an unreachable broker:\n" + "\n".join(lines)
 
         started = time.monotonic()
@@ -90,7 +92,7 @@ def test_a_sweep_the_broker_cannot_answer_is_logged_once_per_change_not_per_try(
     coordinator.register_sink(SinkSpec("old-kafka", "old", "kafka-1:9092", ["out"]), "test", check_broker=False)
     lacking = ControlPlaneError("broker does not support ListTransactions (KIP-664, Kafka >= 3.0)", retriable=False,
                                 code="unsupported_by_broker")
-    loop = RecoveryLoop(coordinator, interval_ms=1_000, leader_ttl_ms=10_000)
+    loop = RecoveryLoop(coordinator, interval_ms=1_000, leader_ttl_ms=10_000, sweep_interval_ms=0)
     caplog.set_level(logging.DEBUG, logger="coordinator.service.recovery")
 
     def warnings() -> list[str]:
@@ -103,7 +105,8 @@ def test_a_sweep_the_broker_cannot_answer_is_logged_once_per_change_not_per_try(
         assert len(warnings()) == 1 and "KIP-664" in warnings()[0]
         kafka.clear_failures()
         assert loop.run_once(honor_backoff=False).sinks["old-kafka"].errors == {}
-        assert any("step sweep of sink old-kafka succeeds again after 10 failure(s)" in r.getMessage()
+        assert any("step sweep of cluster kafka-1:9092 (sink old-kafka) succeeds again after 10 failure(s)"
+                   in r.getMessage()
                    for r in caplog.records)
         kafka.fail_next(ControlPlaneError("cannot bootstrap from kafka-1:9092", retriable=True, code="x"), times=10)
         loop.run_once(honor_backoff=False)

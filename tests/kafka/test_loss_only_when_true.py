@@ -137,13 +137,13 @@ def test_a_transaction_aborted_at_its_timeout_is_refused_as_gone_and_the_log_con
 def test_a_stalled_first_try_initialising_late_fences_no_later_batch(
     kafka_each_tv: RealKafka, engine: Any, monkeypatch: pytest.MonkeyPatch, quarantine: str
 ) -> None:
-    """A batch's first try stalls before init_transactions; its retry wins and the commit aborts the
-    stalled try's id. The next batch writes; then the stalled try's InitProducerId reaches the real
-    broker. With the quarantine the next batch is on another id and commits; with the quarantine
-    broken (the landed code: the freed id is leased again at once) the broker fences the next
-    batch's transaction and its commit is refused as gone."""
+    """A batch's first try claims its pre-lease and stalls before init_transactions; its retry gets
+    an id of its own and wins, and the commit aborts the stalled try's id. The next batch writes;
+    then the stalled try's InitProducerId reaches the real broker. With the quarantine the next
+    batch is on another id and commits; with the quarantine broken (the freed id leased again at
+    once: the pool's cursor puts it first in line) the broker fences the next batch's transaction
+    and its commit is refused as gone."""
     from confluent_kafka import Producer
-    from sqlalchemy import text
 
     from coordinator.protocol.model import PartitionResult, PrecommitRecord
     from coordinator.protocol.states import CheckpointState
@@ -161,22 +161,21 @@ def test_a_stalled_first_try_initialising_late_fences_no_later_batch(
                                  commit_margin_ms=6_000), "test")
         gen, _ = c.start_generation("z", "q1", "r1", "test")
 
-        def write(tid: str, records: int) -> PrecommitRecord:
+        def write(try_id: int, tid: str, records: int) -> PrecommitRecord:
             s = run_transactional_producer(kafka.bootstrap, tid, topic, records=records,
                                            transaction_timeout_ms=TIMEOUT_MS)
-            return PrecommitRecord(s.producer_id, s.producer_epoch, records, records * 10, None, None)
+            return PrecommitRecord(try_id, s.producer_id, s.producer_epoch, records, records * 10)
 
-        (stalled,) = c.begin_checkpoint("z", 0, gen, "test", partitions=1).pre_leases  # never initialises
-        retry = c.begin_partition("z", 0, 1, gen, 0, 7)
-        c.commit("z", 0, 1, gen, [PartitionResult(0, retry.id, write(retry.transactional_id, 2))], "test")
+        c.begin_checkpoint("z", 0, gen, "test", partitions=1)
+        stalled = c.begin_partition("z", 0, 1, gen, 0, 5)  # claims the pre-lease, never initialises
+        retry = c.begin_partition("z", 0, 1, gen, 0, 7)  # an id of its own
+        assert retry.transactional_id != stalled.transactional_id
+        c.commit("z", 0, 1, gen, [PartitionResult(0, retry.id, write(7, retry.transactional_id, 2))], "test")
 
-        if quarantine == "broken":  # and the stalled try's id first in line, as the landed code's lowest free ordinal
-            with engine.begin() as conn:
-                conn.execute(text("UPDATE transactional_ids SET released_at = released_at - interval '1 hour' "
-                                  "WHERE transactional_id = :t"), {"t": stalled.transactional_id})
-        (nxt,) = c.begin_checkpoint("z", 1, gen, "test", partitions=1).pre_leases
+        c.begin_checkpoint("z", 1, gen, "test", partitions=1)
+        nxt = c.begin_partition("z", 1, 1, gen, 0, 8)
         assert (nxt.transactional_id == stalled.transactional_id) is (quarantine == "broken")
-        rec = write(nxt.transactional_id, 3)
+        rec = write(8, nxt.transactional_id, 3)
         zombie = Producer({"bootstrap.servers": kafka.bootstrap, "transactional.id": stalled.transactional_id,
                            "transaction.timeout.ms": TIMEOUT_MS, "log_level": 0})
         zombie.init_transactions(30)  # the stalled try's InitProducerId lands now

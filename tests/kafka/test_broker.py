@@ -60,8 +60,7 @@ from coordinator.kafka.wire.verdicts import (
     verdict_transactions_supported,
 )
 from coordinator.protocol.model import Lease
-from coordinator.protocol.rules import PrecommitRequest
-from coordinator.protocol.states import LeaseState
+from coordinator.protocol.states import UNRESOLVED_LEASE_STATES, LeaseState
 from coordinator.service import Coordinator, Limits, SinkSpec
 
 ADMIN = "test-admin-token-7f3a"
@@ -74,10 +73,11 @@ def ps(partition: int, hw: int, lso: int, pid: int | None = None, epoch: int | N
     return PartitionStability(topic, partition, hw, lso, pid, epoch, lso if pid is not None else None)
 
 
-def lease(id_: int, tid: str, pid: int | None, epoch: int | None, state: LeaseState = LeaseState.PRECOMMITTED) -> Lease:
-    return Lease(id=id_, sink_id=1, checkpoint_id=1, attempt_id=1, partition=0, task_attempt_id=id_, transactional_id=tid,
-                 state=state, leased_at=T0, deadline_at=T0, producer_id=pid, producer_epoch=epoch, records=1, bytes=1,
-                 precommitted_at=T0, resolved_at=None)
+def lease(id_: int, tid: str, pid: int | None, epoch: int | None, state: LeaseState = LeaseState.COMMITTING) -> Lease:
+    resolved = None if state in UNRESOLVED_LEASE_STATES else T0
+    return Lease(id=id_, sink_id=1, checkpoint_id=1, attempt_id=1, partition=0, task_attempt_id=id_, ordinal=0,
+                 transactional_id=tid, state=state, taken_at=T0, leased_at=T0, deadline_at=T0, producer_id=pid,
+                 producer_epoch=epoch, records=1, bytes=1, write_ms=None, first_offsets=None, resolved_at=resolved)
 
 
 def txn(tid: str, state: str = "Ongoing", pid: int = 7) -> OpenTransaction:
@@ -138,16 +138,16 @@ def test_blocking_producer_is_mapped_to_the_lease_with_its_producer_id_and_epoch
                              [ps(0, 10, 4, 42, 3), ps(1, 9, 2, 99, 0), ps(2, 9, 2)], 60.0)
     leases = [
         lease(1, "orders-tx-0", 42, 2, LeaseState.ABORTED),  # the same pooled id, an older epoch
-        lease(2, "orders-tx-0", 42, 3, LeaseState.PRECOMMITTED),
+        lease(2, "orders-tx-0", 42, 3, LeaseState.COMMITTING),
         lease(3, "orders-tx-1", None, None, LeaseState.LEASED),
     ]
     named = name_blocking_transactions(stuck, leases, [txn("someone-else-5", pid=99)])
     assert [(b.partition, b.transactional_id, b.lease_id, b.lease_state, b.known) for b in named] == [
-        (0, "orders-tx-0", 2, "PRECOMMITTED", True),
+        (0, "orders-tx-0", 2, "COMMITTING", True),
         (1, "someone-else-5", None, None, False),
         (2, None, None, None, False),
     ]
-    assert "orders-tx-0 (lease 2, PRECOMMITTED, producer id 42 epoch 3)" in named[0].explanation
+    assert "orders-tx-0 (lease 2, COMMITTING, producer id 42 epoch 3)" in named[0].explanation
     assert "no lease for" in named[1].explanation
     assert "did not name" in named[2].explanation
 
@@ -159,6 +159,18 @@ def test_without_an_exact_epoch_an_unresolved_lease_of_the_producer_id_wins() ->
     assert (named.lease_id, named.known) == (5, True)
     (unknown,) = name_blocking_transactions(stuck, [])
     assert (unknown.transactional_id, unknown.lease_id, unknown.known, unknown.producer_id) == (None, None, False, 42)
+
+
+def test_a_lease_whose_record_has_not_come_is_named_through_the_brokers_listing() -> None:
+    """A try's producer id reaches the coordinator only with the commit: until then the broker's
+    listing (producer id -> transactional id) names the lease holding the id."""
+    stuck = stuck_partitions([ps(0, 10, 4, 42, 0)], [ps(0, 10, 4, 42, 0)], 60.0)
+    held = lease(9, "orders-tx-3", None, None, LeaseState.LEASED)
+    (named,) = name_blocking_transactions(stuck, [held], [txn("orders-tx-3", pid=42)])
+    assert (named.transactional_id, named.lease_id, named.lease_state, named.known) == ("orders-tx-3", 9, "LEASED", True)
+    ended = lease(9, "orders-tx-3", None, None, LeaseState.ABORTED)  # the id was freed since: not its lease
+    (unknown,) = name_blocking_transactions(stuck, [ended], [txn("orders-tx-3", pid=42)])
+    assert (unknown.transactional_id, unknown.lease_id, unknown.known) == ("orders-tx-3", None, False)
 
 
 # --- lingering --------------------------------------------------------------------------------
@@ -356,7 +368,8 @@ def leased_sink(c: Coordinator, *, pid: int = 42, epoch: int = 3) -> Lease:
     begun = c.begin_checkpoint("orders", 0, gen, ACTOR)
     assert begun.attempt is not None
     lease_ = c.begin_partition("orders", 0, begun.attempt.number, gen, 0, 11)
-    c.precommit("orders", lease_.id, gen, PrecommitRequest(pid, epoch, 5, 50))
+    # its producer's transaction is open on the broker (its record has not come with a commit yet)
+    c.control_plane.open_transactions.append(txn(lease_.transactional_id, pid=pid))  # type: ignore[union-attr]
     return lease_
 
 
@@ -391,7 +404,7 @@ def test_partitions_endpoint_flags_a_stall_and_names_the_lease(coord: Coordinato
         assert p0["stuck"] is True and p0["stalled_for_s"] > 0 and p1["stuck"] is False
         blocking = p0["blocking_transaction"]
         assert (blocking["transactional_id"], blocking["lease_id"], blocking["known"]) == (lease_.transactional_id, lease_.id, True)
-        assert blocking["lease_state"] == "PRECOMMITTED" and second["notes"] == []
+        assert blocking["lease_state"] == "LEASED" and second["notes"] == []
 
         # the default threshold (60 s) is not reached between two quick calls
         assert http.get("/v1/sinks/orders/partitions", headers=auth()).json()["partitions"][0]["stuck"] is False

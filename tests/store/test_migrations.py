@@ -1,112 +1,102 @@
-"""The Alembic migrations create exactly the schema the code declares, and downgrade cleanly."""
+"""One baseline migration for the unreleased schema (issue 48 §5): upgrading from it gives exactly
+the schema the models declare (coordinator/store/tables.py) -- columns, indexes with their
+predicates, check constraints -- and it downgrades to an empty database and back."""
 
 from __future__ import annotations
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, inspect
 
-from coordinator.store.db import downgrade, make_engine, migrate, schema_is_current
+from coordinator.store.db import alembic_config, downgrade, make_engine, migrate, schema_is_current
 from coordinator.store.tables import metadata
+from fixtures.schema_catalog import catalog, empty_database_url  # noqa: F401 - a fixture
 
-TABLES = {"sinks", "generations", "checkpoints", "attempts", "transactional_ids", "lease_rows", "events", "recovery_leader"}
+TABLES = {"sinks", "id_pools", "quarantined_ids", "generations", "checkpoints", "attempts", "leases", "events",
+          "recovery_leader"}
 
 
-def test_migrated_schema_matches_the_declared_tables(engine):
+def test_there_is_one_baseline_migration(database_url: str) -> None:
+    scripts = ScriptDirectory.from_config(alembic_config(database_url))
+    (only,) = list(scripts.walk_revisions())
+    assert only.revision == "0001" and only.down_revision is None
+    assert scripts.get_current_head() == "0001"
+
+
+def test_the_models_declare_exactly_the_tables_of_the_rebuild() -> None:
+    assert set(metadata.tables) == TABLES
+
+
+def test_migrated_schema_matches_the_declared_tables(engine: Engine) -> None:
     with engine.connect() as conn:
         diffs = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), metadata)
     assert diffs == []
     assert schema_is_current(engine)
 
 
-def test_downgrade_to_base_and_upgrade_again(database_url):
-    eng = make_engine(database_url, pool_size=1)
+def test_the_migrated_schema_is_the_models_schema_index_for_index_and_check_for_check(
+        engine: Engine, empty_database_url: str) -> None:
+    """Alembic's comparison skips index predicates and check constraints: here Postgres states
+    both schemas, the migrated one and one created from the models, and they must be the same."""
+    from_models = make_engine(empty_database_url, pool_size=1)
     try:
-        downgrade(database_url, "base")
-        assert TABLES.isdisjoint(inspect(eng).get_table_names())
-        assert not schema_is_current(eng)
-        migrate(database_url)
-        assert TABLES <= set(inspect(eng).get_table_names())
-        assert schema_is_current(eng)
+        metadata.create_all(from_models)
+        with from_models.connect() as conn:
+            declared = catalog(conn)
     finally:
-        eng.dispose()
+        from_models.dispose()
+    with engine.connect() as conn:
+        migrated = catalog(conn)
+    assert migrated.tables() == TABLES
+    assert sorted(migrated.columns ^ declared.columns) == []
+    assert sorted(migrated.indexes ^ declared.indexes) == []
+    assert sorted(migrated.constraints ^ declared.constraints) == []
+    # the rules the database holds itself are among them
+    assert migrated.index("uq_leases_held") == (
+        "CREATE UNIQUE INDEX uq_leases_held ON public.leases USING btree (sink_id, ordinal) WHERE (resolved_at IS NULL)")
+    resolved = migrated.constraint("ck_leases_resolved")
+    assert "resolved_at IS NULL" in resolved and "'PRELEASED'" in resolved and "'COMMITTED'" not in resolved
+    for table in ("checkpoints", "attempts", "leases"):
+        assert migrated.constraint(f"ck_{table}_state").startswith("CHECK (((state)::text = ANY")
+    assert "NULLS NOT DISTINCT" in migrated.constraint("uq_leases_attempt_id_partition_task_attempt_id")
 
 
-def test_indexes_for_the_hot_queries_exist(engine):
+def test_the_schema_comparison_sees_a_lost_predicate_and_a_lost_check(engine: Engine) -> None:
+    """The comparison above can fail: an index without its WHERE, or a check constraint gone, is a
+    different catalog (changed inside a transaction that is rolled back)."""
+    with engine.connect() as conn, conn.begin() as tx:
+        before = catalog(conn)
+        conn.exec_driver_sql("DROP INDEX uq_leases_held")
+        conn.exec_driver_sql("CREATE UNIQUE INDEX uq_leases_held ON leases (sink_id, ordinal)")
+        conn.exec_driver_sql("ALTER TABLE leases DROP CONSTRAINT ck_leases_resolved")
+        after = catalog(conn)
+        tx.rollback()
+    assert {name for _, name, _ in before.indexes ^ after.indexes} == {"uq_leases_held"}
+    assert {name for _, name, _, _ in before.constraints ^ after.constraints} == {"ck_leases_resolved"}
+    assert before.columns == after.columns
+
+
+def test_indexes_for_the_hot_queries_exist(engine: Engine) -> None:
     insp = inspect(engine)
     names = {ix["name"] for t in TABLES for ix in insp.get_indexes(t)}
-    # pool leasing, unresolved-transaction sweeps, open-attempt lookups, audit trail paging
-    assert {"uq_transactional_ids_sink_id_ordinal", "ix_lease_rows_unresolved", "ix_attempts_open",
-            "ix_events_sink_id_id"} <= names | {c["name"] for c in insp.get_unique_constraints("transactional_ids")}
-    # a resolved lease's id is found by its unique transactional_id: no index on lease_id (0007),
-    # and none on released_at (0013), so leasing and freeing an id are HOT updates
-    pool_columns = {c for ix in insp.get_indexes("transactional_ids") for c in ix["column_names"]}
-    assert not pool_columns & {"state", "lease_id", "released_at", "reusable_at"}, insp.get_indexes("transactional_ids")
-    # no lease index covers `state`, so moves between unresolved states are HOT updates (0008)
-    assert all("state" not in ix["column_names"] and "state" not in str(ix.get("dialect_options", {}))
-               for ix in insp.get_indexes("lease_rows")), insp.get_indexes("lease_rows")
+    # the pool and every read of possibly open transactions, open attempts, decided commits, pruning,
+    # a checkpoint's leases, the audit trail's pages
+    assert {"uq_leases_held", "ix_attempts_open", "ix_attempts_aborted", "ix_checkpoints_decided",
+            "ix_checkpoints_prunable", "ix_leases_checkpoint_id", "ix_events_sink_id_id"} <= names
 
 
-def test_tables_updated_per_batch_leave_room_for_hot_updates(engine):
-    with engine.connect() as conn:
-        options = dict(conn.exec_driver_sql(
-            "SELECT relname, reloptions FROM pg_class WHERE relname IN "
-            "('checkpoints', 'attempts', 'lease_rows', 'transactional_ids')"
-        ).all())
-    assert options == {t: ["fillfactor=80"] for t in ("checkpoints", "attempts", "lease_rows", "transactional_ids")}
-
-
-def test_the_decisions_records_are_stored_as_sent_and_uncompressed(engine):
-    """Text as the coordinator encoded it (no jsonb, no json check: migrations 0015, 0018) and no
-    compression: written at every decision, read rarely."""
-    with engine.connect() as conn:
-        stored = conn.exec_driver_sql(
-            "SELECT format_type(atttypid, atttypmod), attstorage FROM pg_attribute "
-            "WHERE attrelid = 'attempts'::regclass AND attname = 'first_records'"
-        ).one()
-    assert tuple(stored) == ("text", "e")
-
-
-def test_event_details_are_stored_uncompressed(engine):
-    """A 200-partition decision's detail (~6.5 KB of jsonb) is over the size Postgres compresses at;
-    pglz took ~0.5 ms of each such insert (migration 0017)."""
-    with engine.connect() as conn:
-        storage = conn.exec_driver_sql(
-            "SELECT attstorage FROM pg_attribute WHERE attrelid = 'events'::regclass AND attname = 'detail'"
-        ).scalar_one()
-    assert storage == "e"
-
-
-def test_state_columns_only_take_their_machine_states(engine):
-    insp = inspect(engine)
-    for table in ("checkpoints", "attempts", "lease_rows", "transactional_ids"):
-        checks = {c["name"] for c in insp.get_check_constraints(table)}
-        assert f"ck_{table}_state" in checks
-
-
-def test_a_lease_must_name_its_attempts_checkpoint_and_sink(engine):
-    """One composite foreign key (migration 0010): a lease's checkpoint_id and sink_id are its
-    attempt's, checked in one lookup per inserted lease."""
-    import pytest
-    from sqlalchemy import text
-    from sqlalchemy.exc import IntegrityError
-
-    with engine.begin() as conn:
-        sink = conn.execute(text(
-            "INSERT INTO sinks (name, transactional_id_prefix, bootstrap_servers, topics, transaction_timeout_ms, "
-            "commit_margin_ms, max_pool_size, created_at) VALUES ('s', 's-', 'k:9092', '[]', 60000, 10000, 4, now()) "
-            "RETURNING id")).scalar_one()
-        cps = [conn.execute(text(
-            "INSERT INTO checkpoints (sink_id, query_id, batch_id, state, created_at) "
-            "VALUES (:s, 'q', :b, 'OPEN', now()) RETURNING id"), {"s": sink, "b": b}).scalar_one() for b in (1, 2)]
-        attempt = conn.execute(text(
-            "INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, started_at) "
-            "VALUES (:c, :s, 1, 0, 'OPEN', now()) RETURNING id"), {"c": cps[0], "s": sink}).scalar_one()
-    lease = ("INSERT INTO lease_rows (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, transactional_id, "
-             "state, leased_at, deadline_at) VALUES (:s, :c, :a, 0, :t, 's-0', 'LEASED', now(), now())")
-    with engine.begin() as conn:
-        conn.execute(text(lease), {"s": sink, "c": cps[0], "a": attempt, "t": 0})
-    for task, wrong in enumerate( ({"s": sink, "c": cps[1], "a": attempt}, {"s": sink + 1, "c": cps[0], "a": attempt},
-                  {"s": sink, "c": cps[0], "a": attempt + 1}), start=1):
-        with pytest.raises(IntegrityError, match="fk_lease_rows_attempt_id_attempts"), engine.begin() as conn:
-            conn.execute(text(lease), {**wrong, "t": task})
+def test_downgrade_to_base_and_upgrade_again(database_url: str) -> None:
+    eng = make_engine(database_url, pool_size=1)
+    try:
+        with eng.connect() as conn:
+            before = catalog(conn)
+        downgrade(database_url, "base")
+        assert set(inspect(eng).get_table_names()) <= {"alembic_version"}
+        assert not schema_is_current(eng)
+        migrate(database_url)
+        assert schema_is_current(eng)
+        with eng.connect() as conn:
+            assert catalog(conn) == before
+    finally:
+        eng.dispose()

@@ -15,12 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
-from fixtures.postgres import migrated_database
-from fixtures.servers import ServiceProcess
+from sqlalchemy import text
 
 from coordinator.http.input import MAX_BODY_BYTES
 from coordinator.http.schemas import CommitRequest
-from coordinator.protocol.model import PartitionResult, PrecommitRecord
+from coordinator.protocol.model import FIRST_OFFSETS_KEPT, PartitionResult, PrecommitRecord
+from coordinator.store.db import make_engine
+from fixtures.postgres import migrated_database
+from fixtures.servers import ServiceProcess
 
 ADMIN = "input-admin-token-93c1"
 SINK, OTHER = "orders", "payments"
@@ -104,21 +106,21 @@ def lease_path(batch: int = 0, attempt: int = 1) -> str:
 def test_integers_beyond_their_columns_are_refused_naming_the_field(world: World) -> None:
     w, gen, lid = world, world.generation, world.lease_id
     lease = {"generation": gen, "partition": 0, "task_attempt_id": 1}
-    pre = {"generation": gen, "producer_id": 1, "producer_epoch": 0, "records": 1, "bytes": 1}
+    record = {"partition": 0, "lease_id": lid, "task_attempt_id": 1, "producer_id": 1, "producer_epoch": 0,
+              "records": 1, "bytes": 1}
+    commit = f"/v1/sinks/{SINK}/checkpoints/0/attempts/1/commit"
     cases: list[tuple[str, str, Any, str]] = [
         ("POST", f"/v1/sinks/{SINK}/checkpoints/{I64}/begin", {"generation": gen}, "batch_id"),
         ("POST", f"/v1/sinks/{SINK}/checkpoints/-1/begin", {"generation": gen}, "batch_id"),
         ("POST", f"/v1/sinks/{SINK}/checkpoints/0/begin", {"generation": I32}, "generation"),
+        ("POST", f"/v1/sinks/{SINK}/checkpoints/0/begin", {"generation": gen, "partitions": I32}, "partitions"),
         ("POST", lease_path(attempt=I32), lease, "attempt"),
         ("POST", lease_path(), {**lease, "partition": I32}, "partition"),
         ("POST", lease_path(), {**lease, "task_attempt_id": I64}, "task_attempt_id"),
-        ("POST", f"/v1/sinks/{SINK}/leases/{I64}/precommit", pre, "lease_id"),
-        *[("POST", f"/v1/sinks/{SINK}/leases/{lid}/precommit", {**pre, k: v}, k) for k, v in (
-            ("records", I64), ("bytes", I64), ("write_ms", I64), ("producer_id", I64), ("producer_epoch", 2**15))],
-        ("POST", f"/v1/sinks/{SINK}/checkpoints/0/attempts/1/commit",
-         {"generation": gen, "partitions": [{"partition": 0, "lease_id": I64}]}, "partitions.0.lease_id"),
-        ("POST", f"/v1/sinks/{SINK}/checkpoints/0/attempts/1/commit",
-         {"generation": gen, "partitions": [{"partition": 0, "lease_id": lid}], "job_ms": I64}, "job_ms"),
+        *[("POST", commit, {"generation": gen, "partitions": [{**record, k: v}]}, f"partitions.0.{k}") for k, v in (
+            ("lease_id", I64), ("task_attempt_id", I64), ("records", I64), ("bytes", I64), ("write_ms", I64),
+            ("producer_id", I64), ("producer_epoch", 2**15))],
+        ("POST", commit, {"generation": gen, "partitions": [record], "job_ms": I64}, "job_ms"),
         ("GET", f"/v1/sinks/{SINK}/events?after_id={I64}", None, "after_id"),
         ("GET", f"/v1/sinks/{SINK}/events?batch_id={I64}", None, "batch_id"),
         ("GET", f"/v1/sinks/{SINK}/checkpoints?before_batch={I64}", None, "before_batch"),
@@ -134,33 +136,39 @@ def test_integers_beyond_their_columns_are_refused_naming_the_field(world: World
 
 
 def test_a_commits_partitions_become_the_records_the_rules_read() -> None:
-    """CommitRequest.results() builds its records without their dataclass __init__: each equals the
-    record built by it, with and without a pre-commit record and its optional fields."""
+    """CommitRequest.results() builds the records the rules read, with and without a pre-commit
+    record and its optional fields; the coordinator keeps the first FIRST_OFFSETS_KEPT offsets."""
     body = {"generation": 3, "partitions": [
         {"partition": 0, "lease_id": None},
-        {"partition": 1, "lease_id": 11, "producer_id": 7, "producer_epoch": 2, "records": 5, "bytes": 50},
-        {"partition": 2, "lease_id": 12, "producer_id": 8, "producer_epoch": 0, "records": 1, "bytes": 9,
-         "write_ms": 40, "first_offsets": [["t", 0, 5], ["u", 3, 0]]},
+        {"partition": 1, "lease_id": 11, "task_attempt_id": 4, "producer_id": 7, "producer_epoch": 2, "records": 5,
+         "bytes": 50},
+        {"partition": 2, "lease_id": 12, "task_attempt_id": 0, "producer_id": 8, "producer_epoch": 0, "records": 1,
+         "bytes": 9, "write_ms": 40, "first_offsets": [["t", 0, 5], ["u", 3, 0]]},
+        {"partition": 3, "lease_id": 13, "task_attempt_id": 9, "producer_id": 9, "producer_epoch": 0, "records": 1,
+         "bytes": 9, "first_offsets": [["t", p, p] for p in range(FIRST_OFFSETS_KEPT + 3)]},
     ]}
     assert CommitRequest.model_validate_json(json.dumps(body)).results() == [
         PartitionResult(0, None, None),
-        PartitionResult(1, 11, PrecommitRecord(7, 2, 5, 50, None, None)),
-        PartitionResult(2, 12, PrecommitRecord(8, 0, 1, 9, 40, [("t", 0, 5), ("u", 3, 0)])),
+        PartitionResult(1, 11, PrecommitRecord(4, 7, 2, 5, 50, None, None)),
+        PartitionResult(2, 12, PrecommitRecord(0, 8, 0, 1, 9, 40, [("t", 0, 5), ("u", 3, 0)])),
+        PartitionResult(3, 13, PrecommitRecord(9, 9, 0, 1, 9, None, [("t", p, p) for p in range(FIRST_OFFSETS_KEPT)])),
     ]
 
 
 def test_a_commits_partitions_are_checked_whole_naming_the_partition(world: World) -> None:
-    """The partitions are validated as dicts with one check of the pre-commit records over all of
-    them: each refusal still names the partition (and an unknown field is refused, not dropped)."""
+    """Each refusal of a commit's partition names it (and an unknown field is refused, not
+    dropped): a winner comes with its whole record, an empty partition with none."""
     w, gen, lid = world, world.generation, world.lease_id
     path = f"/v1/sinks/{SINK}/checkpoints/0/attempts/1/commit"
-    record = {"producer_id": 7, "producer_epoch": 0, "records": 3, "bytes": 30}
+    record = {"task_attempt_id": 1, "producer_id": 7, "producer_epoch": 0, "records": 3, "bytes": 30}
     empty = {"partition": 0, "lease_id": None}
     cases: list[tuple[dict[str, Any], str, str]] = [
-        ({"partition": 1, "lease_id": lid, **record, "bytes": None}, "partitions", "partitions[1]: producer_id, "
-         "producer_epoch, records and bytes come together"),
-        ({"partition": 1, "lease_id": None, **record}, "partitions", "partitions[1]: a pre-commit record needs the "
-         "lease_id"),
+        ({"partition": 1, "lease_id": lid, **record, "bytes": None}, "partitions.1", "a winning lease comes with "
+         "its whole pre-commit record: task_attempt_id, producer_id, producer_epoch, records and bytes"),
+        ({"partition": 1, "lease_id": lid, **record, "task_attempt_id": None}, "partitions.1", "a winning lease comes "
+         "with its whole pre-commit record"),
+        ({"partition": 1, "lease_id": None, **record}, "partitions.1", "an empty partition (lease_id null) has no "
+         "pre-commit record"),
         ({"partition": 1, "lease_id": lid, **record, "oops": 1}, "partitions.1.oops", "Extra inputs are not permitted"),
         ({"partition": 1, "lease_id": lid, **record, "first_offsets": [["bad topic", 0, 1]]},
          "partitions.1.first_offsets.0.0", "String should match pattern"),
@@ -169,6 +177,7 @@ def test_a_commits_partitions_are_checked_whole_naming_the_partition(world: Worl
         body = {"generation": gen, "partitions": [empty, partition]}
         assert says in invalid_field(w, w.call("POST", path, body), "POST", path, field), (partition, field)
 
+
 def test_the_largest_values_storage_holds_are_accepted(world: World) -> None:
     w = world
     top = I64 - 1
@@ -176,14 +185,20 @@ def test_the_largest_values_storage_holds_are_accepted(world: World) -> None:
     assert w.call("GET", f"/v1/sinks/{SINK}/checkpoints?before_batch={top}").status_code == 200
     begun = w.call("POST", f"/v1/sinks/{SINK}/checkpoints/{top}/begin", {"generation": w.generation})
     assert begun.status_code == 200 and begun.json()["batch_id"] == top, begun.text
-    lease = w.call("POST", lease_path(top, begun.json()["attempt"]),
+    attempt = begun.json()["attempt"]
+    lease = w.call("POST", lease_path(top, attempt),
                    {"generation": w.generation, "partition": 0, "task_attempt_id": top})
-    assert lease.status_code == 200, lease.text
-    pre = w.call("POST", f"/v1/sinks/{SINK}/leases/{lease.json()['lease_id']}/precommit", {
-        "generation": w.generation, "producer_id": top, "producer_epoch": 2**15 - 1, "records": top, "bytes": top,
-        "write_ms": top})
-    assert pre.status_code == 200, pre.text
-    assert (pre.json()["records"], pre.json()["bytes"], pre.json()["write_ms"]) == (top, top, top)
+    assert lease.status_code == 200 and lease.json()["task_attempt_id"] == top, lease.text
+    done = w.call("POST", f"/v1/sinks/{SINK}/checkpoints/{top}/attempts/{attempt}/commit", {
+        "generation": w.generation, "job_ms": top, "partitions": [{
+            "partition": 0, "lease_id": lease.json()["lease_id"], "task_attempt_id": top, "producer_id": top,
+            "producer_epoch": 2**15 - 1, "records": top, "bytes": top, "write_ms": top,
+            "first_offsets": [["out", I32 - 1, top]]}]})
+    assert done.status_code == 200 and done.json()["state"] == "COMMITTED", done.text
+    assert [(c["producer_id"], c["producer_epoch"], c["records"], c["bytes"]) for c in done.json()["committed"]] == [
+        (top, 2**15 - 1, top, top)]
+    (stored,) = w.call("GET", f"/v1/sinks/{SINK}/checkpoints/{top}").json()["leases"]
+    assert (stored["task_attempt_id"], stored["records"], stored["bytes"], stored["write_ms"]) == (top, top, top, top)
 
 
 # --- NUL, lone surrogates, invalid UTF-8 -----------------------------------------------------
@@ -214,8 +229,8 @@ def test_text_with_nul_or_a_lone_surrogate_is_refused_in_bodies(world: World, ba
     # surrogate, as not text
     path = f"/v1/sinks/{SINK}/checkpoints/0/attempts/1/commit"
     commit = {"generation": w.generation, "partitions": [{
-        "partition": 0, "lease_id": w.lease_id, "producer_id": 1, "producer_epoch": 0, "records": 1, "bytes": 1,
-        "first_offsets": [["out", 0, 1], [f"t{bad}", 0, 1]]}]}
+        "partition": 0, "lease_id": w.lease_id, "task_attempt_id": 1, "producer_id": 1, "producer_epoch": 0,
+        "records": 1, "bytes": 1, "first_offsets": [["out", 0, 1], [f"t{bad}", 0, 1]]}]}
     message = invalid_field(w, w.call("POST", path, content=json.dumps(commit).encode()), "POST", path,
                             "partitions.0.first_offsets.1.0")
     assert ("pattern" if says == "NUL" else "unicode") in message, message
@@ -294,17 +309,29 @@ def test_the_body_limit_grows_with_the_widest_attempt_so_its_commit_fits(
         url, ADMIN, tmp_path, env={"COORDINATOR_RECOVERY_ENABLED": "false", "COORDINATOR_MAX_PARTITIONS": "20000"}
     ) as svc:
         admin = svc.client(ADMIN)
-        writer = admin.with_token(admin.register_sink(SINK, "orders-tx", expect=201)["writer_token"])
+        registered = admin.register_sink(SINK, "orders-tx", transaction_timeout_ms=300_000, expect=201)
+        writer = admin.with_token(registered["writer_token"])
         gen = writer.start_generation(SINK, "query-1", "run-1")["generation"]
         with httpx.Client(base_url=svc.url, timeout=300,
                           headers={"Authorization": f"Bearer {writer.token}"}) as http:
             begun = http.post(f"/v1/sinks/{SINK}/checkpoints/0/begin", json={"generation": gen, "partitions": 13_000})
-            assert begun.status_code == 200, begun.text[:500]
+            assert begun.status_code == 200 and begun.json()["pre_leased"] == 13_000, begun.text[:500]
+            # each partition's first try claims its pre-lease (task attempt id = partition): one
+            # statement here instead of 13,000 lease calls, which this test is not about
+            engine = make_engine(url, pool_size=1)
+            try:
+                with engine.begin() as conn:
+                    claimed = conn.execute(text(
+                        "UPDATE leases SET state = 'LEASED', task_attempt_id = partition "
+                        "WHERE state = 'PRELEASED' RETURNING id, partition")).all()
+            finally:
+                engine.dispose()
+            assert len(claimed) == 13_000
             body = json.dumps({"generation": gen, "partitions": [
-                {"partition": x["partition"], "lease_id": x["lease_id"], "producer_id": 10**6 + x["partition"],
-                 "producer_epoch": 7, "records": 1000, "bytes": 10**6, "write_ms": 1000,
-                 "first_offsets": [[topic, k, 10**9 + k] for k in range(4)]}
-                for x in begun.json()["pre_leases"]]}).encode()
+                {"partition": partition, "lease_id": lease_id, "task_attempt_id": partition,
+                 "producer_id": 10**6 + partition, "producer_epoch": 7, "records": 1000, "bytes": 10**6,
+                 "write_ms": 1000, "first_offsets": [[topic, k, 10**9 + k] for k in range(4)]}
+                for lease_id, partition in claimed]}).encode()
             assert len(body) > MAX_BODY_BYTES
             answer = http.post(f"/v1/sinks/{SINK}/checkpoints/0/attempts/{begun.json()['attempt']}/commit",
                                content=body, headers={"Content-Type": "application/json"})
@@ -377,6 +404,26 @@ def test_every_status_the_service_answers_is_documented(world: World) -> None:
                                          ("DELETE", "/v1/sinks", 405, "method_not_allowed")):
         resp = w.http.request(method, path)
         assert resp.status_code == status and resp.json()["error"]["reason"] == reason, resp.text
+
+
+def test_every_route_documents_the_422_of_its_url_check(world: World) -> None:
+    """InputRoute checks the URL before any route's handler: a query string that is not UTF-8
+    once percent-decoded is refused (422 invalid_url_encoding) whatever the route, so every
+    operation of the document must list that 422 (issue 50 §5: the document describes the
+    answers the service gives)."""
+    w = world
+    answered = []
+    for template, ops in w.doc["paths"].items():
+        path = template.format(name=SINK, batch_id=0, attempt=1) + "?x=%FF"
+        for method in ops:
+            resp = w.call(method.upper(), path, token=ADMIN)
+            assert resp.status_code == 422 and resp.json()["error"]["reason"] == "invalid_url_encoding", resp.text
+            answered.append((method.upper(), template))
+    undocumented = [(m, t) for m, t in answered if "422" not in operation_of(w.doc, m, t)["responses"]]
+    assert undocumented == [], f"answered 422 without documenting it: {undocumented}"
+    for method, template in answered:
+        path = template.format(name=SINK, batch_id=0, attempt=1) + "?x=%FF"
+        refused(w, w.call(method, path, token=ADMIN), method, path, 422, "invalid_url_encoding")
 
 
 def test_a_database_that_does_not_answer_is_503(tmp_path: Path) -> None:

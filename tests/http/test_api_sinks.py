@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from coordinator.kafka.control_plane import BrokerCheck, RecordingControlPlane
 from coordinator.service import Coordinator
-from fixtures.api_app import PREFIX, SINK, admin, error_of, http  # noqa: F401 - fixtures
+from fixtures.api_app import PREFIX, SINK, admin, error_of, http, invalid_fields  # noqa: F401 - fixtures
 from fixtures.servers import ProtocolClient
 
 
@@ -45,3 +45,11 @@ def test_registration_is_refused_when_the_broker_fails_its_checks(
     checks = admin.request("POST", "/v1/sinks/other/broker-check")
     assert checks == [{"name": "prefix_unused", "ok": False, "verdict": "broker does not support ListTransactions",
                        "fix": None, "verified": False}]
+
+
+def test_a_prune_of_young_history_is_refused_naming_its_field(admin: ProtocolClient) -> None:
+    """Every 422 names its fields in error.detail.fields, the service's own refusals too."""
+    resp = admin.request("POST", "/v1/history/prune", {"older_than_s": 60}, expect=None)
+    err = error_of(resp, 422, "invalid_prune")
+    assert "history younger than 1:00:00 is kept" in err["message"]
+    assert invalid_fields(resp) == ["older_than_s"]

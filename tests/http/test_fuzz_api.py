@@ -6,11 +6,14 @@ Every operation, positive and negative data, with no token, a wrong token and an
 writer token (phase 1), then with the sink's writer token and the admin token (phase 2):
 - no 5xx, no status the document does not list, answers matching their documented schema;
 - negative data (violating the document) refused with a 4xx;
+- every 422 read strictly (issue 50 §5): documented as the project's ErrorOut (never FastAPI's
+  HTTPValidationError) and answered as exactly {"error": {"reason", "message", "detail":
+  {"fields": [{"field", "message"}, ...], ...}}};
 - phase 1 changes nothing: a snapshot of every table is the same before and after.
 Bounded in time (FUZZ_BUDGET_S, default 40 s in all); the number of generated requests is printed.
 
 `fuzz` is itself tested against a deliberately broken service (an unbounded integer reaching
-Postgres, a write without authentication): it must report both.
+Postgres, a write without authentication, FastAPI's own 422s): it must report all three.
 """
 
 from __future__ import annotations
@@ -104,6 +107,9 @@ def fuzz(
                 case.validate_response(response, checks=CHECKS, headers=headers)
             except (Exception, FailureGroup) as exc:  # FailureGroup: a BaseExceptionGroup
                 report.failures.append(f"{op.label} [{mode.value}, {token}]: {str(exc)[:1500]}")
+            wrong = strict_422(op.definition.raw["responses"], response)
+            if wrong is not None:
+                report.failures.append(f"{op.label} [{mode.value}, {token}]: 422 {wrong}: {response.text[:500]}")
 
         # batches of fresh random examples until this run's share of the budget is spent (one at least)
         failures_before = len(report.failures)
@@ -118,6 +124,35 @@ def fuzz(
                 print(f"{op.label} {mode.value}: {report.requests - n0} in {time.monotonic() - t0:.2f}s")
             if time.monotonic() >= stop_at:
                 break
+
+
+ERROR_OUT = {"$ref": "#/components/schemas/ErrorOut"}
+
+
+def strict_422(documented: dict[str, Any], response: Any) -> str | None:
+    """What is wrong with a 422 answer, read strictly (None: nothing, or not a 422): the operation
+    documents it as ErrorOut, and the body is the one error format with the fields it names."""
+    if response.status_code != 422:
+        return None
+    schema = documented.get("422", {}).get("content", {}).get("application/json", {}).get("schema")
+    if schema != ERROR_OUT:
+        return f"documented as {schema}, not ErrorOut"
+    try:
+        body = response.json()
+    except ValueError:
+        return "not JSON"
+    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
+        return "not {\"error\": {...}}"
+    error = body["error"]
+    if set(error) - {"reason", "message", "detail"} or not all(
+            isinstance(error.get(k), str) and error[k] for k in ("reason", "message")):
+        return "error is not {reason, message, detail}"
+    fields = error.get("detail", {}).get("fields") if isinstance(error.get("detail"), dict) else None
+    if not isinstance(fields, list) or not fields or not all(
+            isinstance(f, dict) and set(f) == {"field", "message"} and isinstance(f["field"], str)
+            and isinstance(f["message"], str) and f["message"] for f in fields):
+        return "error.detail.fields does not name the offending fields"
+    return None
 
 
 def snapshot(database_url: str) -> dict[str, list[tuple[Any, ...]]]:
@@ -147,16 +182,16 @@ def service(database_url: str, tmp_path: Path) -> Iterator[ServiceProcess]:
 
 
 def seed(svc: ServiceProcess) -> tuple[str, str]:
-    """A sink with a generation, an open batch and a lease (so calls reach past "not found"), and
-    another sink; returns both writer tokens."""
+    """A sink with a generation, an open batch with its pre-leases, one claimed (so calls reach
+    past "not found"), and another sink; returns both writer tokens."""
     admin = svc.client(ADMIN)
     tokens = []
     for name, prefix in ((SINK, "orders-tx"), (OTHER, "other-tx")):
         tokens.append(admin.register_sink(name, prefix, expect=201)["writer_token"])
     w = admin.with_token(tokens[0])
     gen = w.start_generation(SINK, "query-1", "run-1")["generation"]
-    assert w.begin(SINK, 0, gen)["action"] == "write"
-    w.lease(SINK, 0, 1, gen, partition=0, task_attempt_id=1)
+    assert w.begin(SINK, 0, gen, partitions=2)["pre_leased"] == 2
+    w.lease(SINK, 0, 1, gen, partition=0, task_attempt_id=1)  # claims partition 0's pre-lease
     admin.close()
     return tokens[0], tokens[1]
 
@@ -190,8 +225,9 @@ def test_fuzz_api_from_its_openapi_document(service: ServiceProcess, database_ur
 
 
 def broken_app(database_url: str) -> FastAPI:
-    """Two deliberate bugs: an integer without an upper bound goes to a Postgres integer (a 500
-    past 2^31), and a write that ignores a wrong token."""
+    """Three deliberate bugs: an integer without an upper bound goes to a Postgres integer (a 500
+    past 2^31), a write that ignores a wrong token, and FastAPI's own 422s ({"detail": [...]},
+    documented as HTTPValidationError) for a path parameter out of its bounds."""
     engine = create_engine(database_url)
     app = FastAPI()
 
@@ -220,4 +256,5 @@ def test_fuzz_harness_catches_a_broken_service(database_url: str) -> None:
         after = snapshot(database_url)
     print(f"\nbroken service: {report.summary()}")
     assert any("GET /things/{thing_id}" in f and "500" in f for f in report.failures), report.failures
+    assert any(": 422 documented as" in f and "HTTPValidationError" in f for f in report.failures), report.failures
     assert changed_tables(before, after) == ["things"], "the unauthenticated write went unnoticed"

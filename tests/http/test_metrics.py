@@ -4,7 +4,7 @@ really exports, so the dashboard cannot drift from the code.
 
 The service runs with the record-only Kafka control plane: these tests are about what the
 coordinator counts, not about Kafka. Its recovery loop runs once at start-up and then waits
-20 s, so every figure below comes from the test's own calls.
+10 s, so every figure below comes from the test's own calls.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from fixtures.servers import REPO_ROOT, ProtocolClient, ServiceProcess
 
 from coordinator.http.api import create_app
-from coordinator.service.clock import ManualClock
 from coordinator.kafka.control_plane import PartitionStability, RecordingControlPlane
+from coordinator.protocol.states import UNRESOLVED_LEASE_STATES
 from coordinator.service import Coordinator
+from coordinator.service.clock import ManualClock
+from fixtures.servers import REPO_ROOT, ProtocolClient, ServiceProcess, Winner
 
 ADMIN = "metrics-admin-token-9c1d"
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "coordinator-dashboard.json"
@@ -60,9 +61,10 @@ def value(samples: dict, name: str, **labels: str) -> float:
 @pytest.fixture
 def service(database_url: str, tmp_path: Path) -> Iterator[ServiceProcess]:
     svc = ServiceProcess(database_url, ADMIN, tmp_path, env={
-        # a long interval, and Kafka timeouts short enough that the commit reach (43 s) stays below
-        # the default sinks' margin (rules.CommitReach: registration refuses sinks otherwise)
-        "COORDINATOR_RECOVERY_INTERVAL_MS": "20000", "COORDINATOR_RECOVERY_LEADER_TTL_MS": "21000",
+        # a long interval, and Kafka timeouts short enough that the commit reach (ttl + 2 intervals
+        # + retry budget + request timeout: 33 s) leaves a 60 s sink room for its batches
+        # (configuration.CommitReach: registration refuses sinks otherwise)
+        "COORDINATOR_RECOVERY_INTERVAL_MS": "10000", "COORDINATOR_RECOVERY_LEADER_TTL_MS": "11000",
         "COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS": "1000", "COORDINATOR_KAFKA_RETRY_BUDGET_MS": "1000",
     })
     with svc:
@@ -74,17 +76,15 @@ def traffic(admin: ProtocolClient) -> None:
     fenced, batch 2 left open with one leased transaction."""
     writer = admin.with_token(admin.register_sink("orders", "ord")["writer_token"])
     gen = writer.start_generation("orders", "query-1", "run-1")["generation"]
-    a0 = writer.begin("orders", 0, gen)["attempt"]
-    winners = {}
+    a0 = writer.begin("orders", 0, gen, partitions=2)["attempt"]
+    winners: dict[int, Winner | None] = {}
     for partition in (0, 1):
         lease = writer.lease("orders", 0, a0, gen, partition, task_attempt_id=partition)
-        writer.precommit("orders", lease["lease_id"], gen, producer_id=100 + partition)
-        winners[partition] = lease["lease_id"]
+        winners[partition] = Winner.of(lease, producer_id=100 + partition)
     assert writer.commit("orders", 0, a0, gen, winners)["state"] == "COMMITTED"
 
     a1 = writer.begin("orders", 1, gen)["attempt"]
     lease = writer.lease("orders", 1, a1, gen, 0, task_attempt_id=10)
-    writer.precommit("orders", lease["lease_id"], gen, producer_id=200)
     assert writer.abort("orders", 1, a1, gen, "driver gave up")["aborted"] == [lease["transactional_id"]]
 
     gen2 = writer.start_generation("orders", "query-1", "run-2")["generation"]
@@ -119,9 +119,12 @@ def test_metrics_after_protocol_traffic(service: ServiceProcess) -> None:
     assert value(m, "coordinator_fenced_requests_total", reason="stale_generation") == 1
     assert [k for k in m if k[0] == "coordinator_fenced_requests_total"] == [
         ("coordinator_fenced_requests_total", (("reason", "stale_generation"),))]
-    # state from the database: batch 2's leased transaction is open, and its checkpoint
-    assert value(m, "coordinator_open_transactions", sink="orders", state="LEASED") == 1
-    assert value(m, "coordinator_open_transactions", sink="orders", state="PRECOMMITTED") == 0
+    # state from the database: batch 2's leased transaction is open, and its checkpoint; every
+    # unresolved lease state has its series (zeros included), and no other
+    open_series = {dict(k[1])["state"]: v for k, v in m.items() if k[0] == "coordinator_open_transactions"}
+    assert open_series == {state.value: (1 if state.value == "LEASED" else 0) for state in UNRESOLVED_LEASE_STATES}
+    # a halt is read from the database by every replica (this one leads the recovery loop or not)
+    assert ("coordinator_sink_halted", (("sink", "orders"),)) in m and value(m, "coordinator_sink_halted", sink="orders") == 0
     # batch 1 (its attempt aborted, waiting for Spark's replay) and batch 2 are open; batch 0 committed
     assert value(m, "coordinator_checkpoints", sink="orders", state="OPEN") == 2
     assert value(m, "coordinator_checkpoints", sink="orders", state="COMMITTING") == 0
@@ -146,18 +149,20 @@ def test_open_transaction_gauges_follow_the_database(service: ServiceProcess) ->
     try:
         writer = admin.with_token(admin.register_sink("views", "vw")["writer_token"])
         gen = writer.start_generation("views", "q", "r")["generation"]
-        attempt = writer.begin("views", 0, gen)["attempt"]
-        lease = writer.lease("views", 0, attempt, gen, 0, task_attempt_id=1)
-        writer.precommit("views", lease["lease_id"], gen, producer_id=7)
+        attempt = writer.begin("views", 0, gen, partitions=2)["attempt"]
+        writer.lease("views", 0, attempt, gen, 0, task_attempt_id=1)  # claims partition 0's pre-lease
         time.sleep(2.1)  # past the collector's cache
         before = scrape(service.url)
-        assert value(before, "coordinator_open_transactions", sink="views", state="PRECOMMITTED") == 1
+        assert value(before, "coordinator_open_transactions", sink="views", state="LEASED") == 1
+        assert value(before, "coordinator_open_transactions", sink="views", state="PRELEASED") == 1
+        assert value(before, "coordinator_oldest_open_transaction_age_seconds", sink="views") > 0
         admin.abort("views", 0, attempt, None, "operator")  # admin: no generation needed
         time.sleep(2.1)
         after = scrape(service.url)
     finally:
         admin.close()
-    assert value(after, "coordinator_open_transactions", sink="views", state="PRECOMMITTED") == 0
+    assert value(after, "coordinator_open_transactions", sink="views", state="LEASED") == 0
+    assert value(after, "coordinator_open_transactions", sink="views", state="PRELEASED") == 0
     assert value(after, "coordinator_oldest_open_transaction_age_seconds", sink="views") == 0
     assert value(after, "coordinator_checkpoint_outcomes_total", sink="views", outcome="aborted") == 1
 
@@ -223,28 +228,36 @@ def test_dashboard_uses_only_metrics_the_service_exports(service: ServiceProcess
         assert required in used, f"no dashboard panel queries {required}"
     # gauges that only the recovery leader keeps current (other replicas, and a former leader, keep
     # the last value they set): the panels read the leader's, not the max over replicas
-    for gauge in ("coordinator_sink_halted", "coordinator_transactions_near_timeout",
-                  "coordinator_partition_lso_lag_records"):
+    # (coordinator_sink_halted is read from the database by every replica at scrape time)
+    for gauge in ("coordinator_transactions_near_timeout", "coordinator_partition_lso_lag_records"):
         exprs = [expr for expr in dashboard_expressions() if gauge in expr]
         assert exprs and all("and on (instance) (coordinator_recovery_leader == 1)" in x for x in exprs), exprs
 
 
 def test_recovery_loop_observes_the_lso_lag(coordinator: Coordinator, kafka: RecordingControlPlane) -> None:
-    """The leader observes every sink's partitions at each iteration (after its sweep), so the lag
-    gauge stays current without anyone calling the partitions endpoint."""
+    """The leader observes the partitions of a sink with a transaction in flight at each pass, so
+    the lag gauge stays current without anyone calling the partitions endpoint; once the
+    transaction ended, the gauge follows the broker back to 0 (a stale lag would keep an alert
+    firing for a sink that has nothing in flight any more)."""
     from prometheus_client import REGISTRY
 
-    from coordinator.service.recovery import RecoveryLoop
+    from coordinator.protocol.model import PartitionResult, PrecommitRecord
     from coordinator.service import SinkSpec
+    from coordinator.service.recovery import RecoveryLoop
 
     coordinator.register_sink(SinkSpec("looped", "lp", "kafka:9092", ["events"]), "admin")
+    gen, _ = coordinator.start_generation("looped", "q", "r", "driver")
+    coordinator.begin_checkpoint("looped", 0, gen, "driver", partitions=1)
+    lease = coordinator.lease("looped", 0, 1, gen, 0, 1).lease  # a try writes: its transaction holds the LSO
     kafka.partitions = [PartitionStability("events", 3, 40, 33)]
-    loop = RecoveryLoop(coordinator, interval_ms=100, leader_ttl_ms=10_000)
+    loop = RecoveryLoop(coordinator, interval_ms=100, leader_ttl_ms=10_000, sweep_interval_ms=None)
+    lag = {"sink": "looped", "topic": "events", "partition": "3"}
     try:
         report = loop.run_once()
-        assert report.leader and report.sinks["looped"].errors == {}
-        lag = {"sink": "looped", "topic": "events", "partition": "3"}
+        assert report.leader and all(not r.errors for r in report.sinks.values()), report
         assert REGISTRY.get_sample_value("coordinator_partition_lso_lag_records", lag) == 7
+        coordinator.commit("looped", 0, 1, gen, [PartitionResult(0, lease.id, PrecommitRecord(1, 500, 0, 7, 70))],
+                           "driver")
         kafka.partitions = [PartitionStability("events", 3, 45, 45)]  # the transaction ended
         loop.run_once()
         assert REGISTRY.get_sample_value("coordinator_partition_lso_lag_records", lag) == 0
@@ -268,9 +281,8 @@ def test_commit_refused_by_the_timeout_gate_is_counted(coordinator: Coordinator,
         gen = admin.start_generation("gated", "q", "r")["generation"]
         attempt = admin.begin("gated", 0, gen)["attempt"]
         lease = admin.lease("gated", 0, attempt, gen, 0, task_attempt_id=1)
-        admin.precommit("gated", lease["lease_id"], gen, producer_id=5)
         clock.advance(ms=55_000)  # 5 s left: inside the 10 s margin
-        refused = admin.commit("gated", 0, attempt, gen, {0: lease["lease_id"]}, expect=409)
+        refused = admin.commit("gated", 0, attempt, gen, {0: Winner.of(lease, producer_id=5)}, expect=409)
     assert refused["error"]["reason"] == "transaction_deadline_too_close"
     assert sample("coordinator_checkpoint_outcomes_total", {"sink": "gated", "outcome": "deadline_refused"}) == refused_before + 1
     assert sample("coordinator_fenced_requests_total", {"reason": "transaction_deadline_too_close"}) == fenced_before + 1

@@ -44,11 +44,13 @@ def attempt(cp: Checkpoint, state: AttemptState, *, started: int = 0, decided: i
 
 def lease(lid: int, state: LeaseState, *, leased: int = 0, cp_id: int = 100, attempt_id: int = 1001,
           records: int | None = None, partition: int = 0) -> Lease:
-    return Lease(id=lid, sink_id=1, checkpoint_id=cp_id, attempt_id=attempt_id, partition=partition, task_attempt_id=lid,
-                 transactional_id=f"orders-eos-{lid}", state=state, leased_at=at(leased),
+    return Lease(id=lid, sink_id=1, checkpoint_id=cp_id, attempt_id=attempt_id, partition=partition,
+                 task_attempt_id=None if state is LeaseState.PRELEASED else lid, ordinal=lid,
+                 transactional_id=f"orders-eos-{lid}", state=state, taken_at=at(leased), leased_at=at(leased),
                  deadline_at=at(leased + TIMEOUT_MS), producer_id=None if records is None else 500 + lid,
                  producer_epoch=None if records is None else 0, records=records,
-                 bytes=None if records is None else records * 100, precommitted_at=None, resolved_at=None)
+                 bytes=None if records is None else records * 100, write_ms=None, first_offsets=None,
+                 resolved_at=None)
 
 
 def committed_history() -> list[tuple[Checkpoint, list[Attempt]]]:
@@ -71,8 +73,8 @@ def test_halted_sink_is_lost_data_awaiting_acknowledgement() -> None:
     assert "batch 7: partition 1 refused" in h.findings[0].message
 
 
-def test_near_timeout_starts_at_80_percent_of_a_precommitted_transactions_lifetime() -> None:
-    live = [lease(1, LeaseState.PRECOMMITTED, leased=0, records=10)]
+def test_near_timeout_starts_at_80_percent_of_a_leased_transactions_lifetime() -> None:
+    live = [lease(1, LeaseState.LEASED, leased=0)]
     assert sink_health(sink(), committed_history(), live, at(47_999)).level is Level.OK
     h = sink_health(sink(), committed_history(), live, at(48_000))  # exactly 80 %
     assert h.level is Level.WARN and h.kinds == {"near_timeout"} and h.label == "transactions near timeout"
@@ -87,13 +89,17 @@ def test_a_wide_batch_near_timeout_names_the_three_nearest_and_counts_the_rest()
     assert [f.message for f in h.findings[3:]] == ["and 7 more transaction(s) past 80% of the timeout"]
 
 
-def test_a_leased_transaction_not_yet_precommitted_is_not_near_timeout() -> None:
-    # the recovery loop's rule: only pre-committed or decided transactions can be lost by the timeout
-    assert sink_health(sink(), committed_history(), [lease(1, LeaseState.LEASED)], at(59_000)).level is Level.OK
+def test_a_pre_lease_no_try_claimed_is_not_near_timeout() -> None:
+    # the recovery loop's rule: only transactions a try holds, or decided ones, can be lost by the
+    # timeout; a pre-lease has no producer yet (and one being aborted is on its way out)
+    for state in (LeaseState.PRELEASED, LeaseState.ABORTING):
+        assert sink_health(sink(), committed_history(), [lease(1, state)], at(59_000)).level is Level.OK, state
+    h = sink_health(sink(), committed_history(), [lease(1, LeaseState.COMMITTING, records=3)], at(59_000))
+    assert h.kinds == {"near_timeout"} and "COMMITTING" in h.findings[0].message
 
 
 def test_stuck_partitions_are_critical_and_outrank_warnings() -> None:
-    live = [lease(1, LeaseState.PRECOMMITTED, records=10)]
+    live = [lease(1, LeaseState.LEASED)]
     h = sink_health(sink(), committed_history(), live, at(50_000), stuck_partitions=2, lingering=1)
     assert h.level is Level.CRITICAL and h.label == "stuck consumers"
     assert [f.kind for f in h.findings] == ["stuck", "near_timeout", "lingering"]
@@ -122,7 +128,7 @@ def test_a_batch_taking_over_half_the_timeout_is_slow() -> None:
 
 
 def test_timeout_bars_show_age_against_the_timeout() -> None:
-    bars = timeout_bars([lease(1, LeaseState.LEASED, leased=0), lease(2, LeaseState.PRECOMMITTED, leased=-10_000),
+    bars = timeout_bars([lease(1, LeaseState.LEASED, leased=0), lease(2, LeaseState.COMMITTING, leased=-10_000),
                          lease(3, LeaseState.ABORTING, leased=-70_000)], at(50_000), TIMEOUT_MS)
     assert [(b.lease.id, b.percent, b.level, b.width) for b in bars] == [
         (3, 200.0, Level.CRITICAL, 100.0),  # past its timeout: the broker has aborted it

@@ -2,7 +2,7 @@
 record-only Kafka control plane, manual clock): login and sessions, the viewer/admin split, CSRF,
 confirmation, every action's effect on the database and the event trail, and the health figures
 the pages show (near timeout, lost data, stuck offsets, lingering transactions).
-The browser half is tests/test_dashboard_browser.py."""
+The browser half is tests/http/test_dashboard_browser.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from fixtures.servers import ProtocolClient
+from fixtures.servers import ProtocolClient, Winner
 
 from coordinator.http.api import create_app
 from coordinator.kafka.broker import PartitionWatch
@@ -56,17 +56,18 @@ def login(t: TestClient, token: str = ADMIN, who: str = "alice") -> None:
     assert r.status_code == 303 and r.headers["location"] == "/dashboard/", r.text
 
 
-def batch(api: ProtocolClient, sink: str, gen: int, batch_id: int, records: list[int], *, commit: bool = True) -> tuple[int, list[int]]:
-    """Write one batch through the protocol (a lease and a pre-commit per partition); commit it."""
-    attempt = api.begin(sink, batch_id, gen)["attempt"]
-    lids = []
+def batch(api: ProtocolClient, sink: str, gen: int, batch_id: int, records: list[int], *,
+          commit: bool = True) -> tuple[int, list[Winner]]:
+    """Write one batch through the protocol (begin with its pre-leases, each partition's first try
+    claiming one, the record it returns); commit it. Returns the attempt and the records."""
+    attempt = api.begin(sink, batch_id, gen, partitions=len(records))["attempt"]
+    written = []
     for p, n in enumerate(records):
-        lid = api.lease(sink, batch_id, attempt, gen, p, 1000 * batch_id + p)["lease_id"]
-        api.precommit(sink, lid, gen, producer_id=7000 + lid, producer_epoch=2, records=n, bytes=n * 10)
-        lids.append(lid)
+        lease = api.lease(sink, batch_id, attempt, gen, p, 1000 * batch_id + p)
+        written.append(Winner.of(lease, 7000 + lease["lease_id"], producer_epoch=2, records=n, bytes=n * 10))
     if commit:
-        api.commit(sink, batch_id, attempt, gen, dict(enumerate(lids)))
-    return attempt, lids
+        api.commit(sink, batch_id, attempt, gen, dict(enumerate(written)))
+    return attempt, written
 
 
 def new_sink(api: ProtocolClient, name: str, **extra: object) -> int:
@@ -221,7 +222,7 @@ def confirm_and_post(client: TestClient, path: str, reason: str) -> tuple[str, s
 def test_abort_an_attempt_with_confirmation(client: TestClient, api: ProtocolClient, coordinator: Coordinator,
                                             kafka: RecordingControlPlane) -> None:
     gen = new_sink(api, "orders")
-    _, lids = batch(api, "orders", gen, 0, [5, 6], commit=False)
+    batch(api, "orders", gen, 0, [5, 6], commit=False)
     login(client)
     confirm, done = confirm_and_post(client, "/dashboard/actions/abort-attempt?sink=orders&batch=0&attempt=1",
                                      "driver is gone")
@@ -252,9 +253,9 @@ def test_abort_of_a_decided_attempt_is_refused_with_the_reason(client: TestClien
 def test_retry_a_decided_commit(client: TestClient, api: ProtocolClient, coordinator: Coordinator,
                                 kafka: RecordingControlPlane) -> None:
     gen = new_sink(api, "orders")
-    attempt, lids = batch(api, "orders", gen, 0, [5], commit=False)
+    attempt, written = batch(api, "orders", gen, 0, [5], commit=False)
     kafka.fail_next(UNREACHABLE)
-    api.commit("orders", 0, attempt, gen, {0: lids[0]}, expect=503)  # decided, not committed on Kafka
+    api.commit("orders", 0, attempt, gen, {0: written[0]}, expect=503)  # decided, not committed on Kafka
     assert coordinator.checkpoint_detail("orders", 0).checkpoint.state.value == "COMMITTING"
     login(client)
     page = client.get("/dashboard/sinks/orders/checkpoints/0").text
@@ -280,9 +281,9 @@ def test_retry_a_decided_commit(client: TestClient, api: ProtocolClient, coordin
 def test_acknowledge_lost_data(client: TestClient, api: ProtocolClient, coordinator: Coordinator,
                                kafka: RecordingControlPlane) -> None:
     gen = new_sink(api, "payments")
-    attempt, lids = batch(api, "payments", gen, 0, [5], commit=False)
+    attempt, written = batch(api, "payments", gen, 0, [5], commit=False)
     kafka.fail_next(FENCED)
-    api.commit("payments", 0, attempt, gen, {0: lids[0]}, expect=409)
+    api.commit("payments", 0, attempt, gen, {0: written[0]}, expect=409)
     login(client)
     overview = client.get("/dashboard/").text
     assert attr(overview, "health", "data-kinds") == ["lost"]
@@ -351,7 +352,7 @@ def test_pages_show_the_figures_of_the_protocol(client: TestClient, api: Protoco
     batch(api, "orders", gen, 0, [10, 20])
     clock.advance(seconds=2)
     batch(api, "orders", gen, 1, [7])
-    batch(api, "orders", gen, 2, [3], commit=False)  # pre-committed, attempt still open
+    batch(api, "orders", gen, 2, [3], commit=False)  # written, attempt still open
     clock.advance(seconds=1)
     new_sink(api, "clicks")
     login(client)
@@ -387,20 +388,18 @@ def test_pages_show_the_figures_of_the_protocol(client: TestClient, api: Protoco
     assert "(attempt row)" in cp and "(checkpoint row)" in cp
 
 
-def test_batch_figures_sum_the_winning_precommits_only(client: TestClient, api: ProtocolClient,
-                                                        coordinator: Coordinator) -> None:
+def test_batch_figures_sum_the_winning_records_only(client: TestClient, api: ProtocolClient,
+                                                    coordinator: Coordinator) -> None:
     gen = new_sink(api, "orders")
-    first = api.begin("orders", 0, gen)["attempt"]
-    older = api.lease("orders", 0, first, gen, 0, 1)["lease_id"]
-    api.precommit("orders", older, gen, producer_id=1, records=999, bytes=9990)
-    api.abort("orders", 0, first, gen)
+    batch(api, "orders", gen, 0, [999], commit=False)  # its first attempt wrote, then its driver gave up
+    api.abort("orders", 0, 1, gen)
     second = api.begin("orders", 0, gen)["attempt"]
     written = {}
     for partition, task, n in [(0, 10, 10), (1, 11, 32), (1, 12, 7)]:  # task 12: a speculative copy that loses
-        written[task] = api.lease("orders", 0, second, gen, partition, task)["lease_id"]
-        api.precommit("orders", written[task], gen, producer_id=task, records=n, bytes=n * 10)
+        lease = api.lease("orders", 0, second, gen, partition, task)
+        written[task] = Winner.of(lease, producer_id=task, records=n, bytes=n * 10)
     api.commit("orders", 0, second, gen, {0: written[10], 1: written[11]})
-    batch(api, "orders", gen, 1, [5], commit=False)  # pre-committed, undecided: no figures yet
+    batch(api, "orders", gen, 1, [5], commit=False)  # written, undecided: no figures yet
 
     assert [(b.records, b.bytes) for b in coordinator.checkpoint_history("orders")] == [(None, None), (42, 420)]
     login(client)
@@ -412,6 +411,7 @@ def test_batch_figures_sum_the_winning_precommits_only(client: TestClient, api: 
         == ["42 / 420"]
 
 
+@pytest.mark.perf  # a statement count: the cost of a refresh, not what the page shows
 def test_a_sink_page_sums_a_decided_batchs_leases_once(client: TestClient, api: ProtocolClient,
                                                       coordinator: Coordinator) -> None:
     """A decided batch's sums never change, and a wide batch's thousands of leases are what costs:
@@ -444,9 +444,11 @@ def test_a_sink_page_sums_a_decided_batchs_leases_once(client: TestClient, api: 
 def test_a_wide_batch_shows_its_leases_a_page_at_a_time_and_its_decision_cut_short(
         client: TestClient, api: ProtocolClient, coordinator: Coordinator) -> None:
     gen = new_sink(api, "wide")
-    pre = coordinator.begin_checkpoint("wide", 0, gen, "test", partitions=250).pre_leases
-    results = [PartitionResult(x.partition, x.id, PrecommitRecord(100 + x.partition, 0, 3, 30, 1))
-               if x.partition % 3 else PartitionResult(x.partition, None) for x in pre]  # every third one empty
+    assert coordinator.begin_checkpoint("wide", 0, gen, "test", partitions=250).pre_leased == 250
+    # every third partition empty (no try asks for a lease); the others' first tries claim theirs
+    claimed = {p: coordinator.lease("wide", 0, 1, gen, p, 5000 + p).lease for p in range(250) if p % 3}
+    results = [PartitionResult(p, claimed[p].id, PrecommitRecord(5000 + p, 100 + p, 0, 3, 30, 1))
+               if p in claimed else PartitionResult(p, None) for p in range(250)]
     coordinator.commit("wide", 0, 1, gen, results, "test")
     every = coordinator.checkpoint_detail("wide", 0).leases
     assert len(every) == 250
@@ -473,12 +475,12 @@ def test_a_wide_batch_shows_its_leases_a_page_at_a_time_and_its_decision_cut_sho
     aborted, html = rows("/dashboard/sinks/wide/checkpoints/0?lease_state=ABORTED")
     assert aborted == sorted(x.id for x in every if x.state is LeaseState.ABORTED)
     assert 'data-testid="more-leases"' not in html
-    # the decision names 166 winners; the page shows the first DETAIL_ITEMS of each list
+    # the decision names 166 winners ([partition, lease id]); the page shows the first DETAIL_ITEMS of a list
     decision = next(ev for ev in coordinator.list_events("wide", batch_id=0) if ev["kind"] == "commit_decided")
-    assert len(decision["detail"]["winners"]["lease_ids"]) == 166
-    shown = re.search(r'data-kind="commit_decided".*?<code>([^<]+)</code>', html, re.S).group(1)
+    assert decision["detail"]["winners"] == [[p, claimed[p].id] for p in sorted(claimed)]
+    shown = re.search(r'data-kind="commit_decided".*?<code>([^<]+)</code>', html, re.S).group(1)  # type: ignore[union-attr]
     winners = json.loads(shown.replace("&#34;", '"').replace("&quot;", '"'))["winners"]
-    assert winners["lease_ids"] == decision["detail"]["winners"]["lease_ids"][:DETAIL_ITEMS] + [f"… {166 - DETAIL_ITEMS} more"]
+    assert winners == decision["detail"]["winners"][:DETAIL_ITEMS] + [f"… {166 - DETAIL_ITEMS} more"]
     assert client.get("/dashboard/sinks/wide/checkpoints/0?lease_state=GONE").status_code == 422
     assert client.get("/dashboard/sinks/wide/checkpoints/0?after=-1").status_code == 422
 
@@ -487,6 +489,8 @@ def test_a_wide_batch_in_flight_draws_the_open_transactions_nearest_their_timeou
         client: TestClient, api: ProtocolClient, coordinator: Coordinator, clock: ManualClock) -> None:
     gen = new_sink(api, "wide")
     coordinator.begin_checkpoint("wide", 0, gen, "test", partitions=BARS_SHOWN + 10)
+    for p in range(BARS_SHOWN + 10):  # every partition's first try claims its pre-lease
+        coordinator.lease("wide", 0, 1, gen, p, p)
     clock.advance(seconds=30)
     retry = api.lease("wide", 0, 1, gen, 0, 7)  # partition 0's task again: the youngest transaction
     login(client)
@@ -509,7 +513,8 @@ def test_stuck_offsets_and_lingering_transactions(coordinator: Coordinator, kafk
     with TestClient(api_app) as raw, TestClient(app) as t:
         api = ProtocolClient(raw, ADMIN)
         gen = new_sink(api, "orders")
-        _, (lid,) = batch(api, "orders", gen, 0, [4], commit=False)
+        _, (record,) = batch(api, "orders", gen, 0, [4], commit=False)
+        lid = record.lease_id
         kafka.partitions = [PartitionStability("out", 0, high_watermark=50, last_stable_offset=40,
                                                blocking_producer_id=7000 + lid, blocking_producer_epoch=2)]
         kafka.open_transactions = [OpenTransaction("orders-eos-99", 4242, 0, "Ongoing", None, 60_000, (("out", 1),)),
@@ -525,7 +530,7 @@ def test_stuck_offsets_and_lingering_transactions(coordinator: Coordinator, kafk
         page = t.get("/dashboard/sinks/orders").text
         stuck = page.split('data-testid="stuck"')[1].split("</table>")[0]
         assert "out-0" in stuck and ">40<" in stuck and ">50<" in stuck
-        assert f"orders-eos-0 (lease {lid}, PRECOMMITTED" in stuck
+        assert f"orders-eos-0 (lease {lid}, LEASED" in stuck
         kafka.partitions = [PartitionStability("out", 0, high_watermark=50, last_stable_offset=50)]
         kafka.open_transactions = []
         now[0] += 1
@@ -579,6 +584,7 @@ def test_the_broker_watch_threads_end_with_the_app(coordinator: Coordinator) -> 
     assert not watch_threads() & started, "broker watch threads still running after the app's shutdown"
 
 
+@pytest.mark.perf  # a statement count: the cost of a refresh, not what the page shows
 def test_the_overview_reads_all_sinks_in_a_fixed_number_of_statements(coordinator: Coordinator) -> None:
     """The overview refreshes every few seconds: its SQL must not grow with the number of sinks.
     Counted on the engine for one render, leaving out the broker watch's own observations (its

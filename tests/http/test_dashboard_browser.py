@@ -4,7 +4,7 @@ with real protocol traffic:
 
 - `orders` and `clicks`: several committed batches (known record counts); `clicks` also has an
   open attempt (for the abort action);
-- `inventory`: a 10 s transaction timeout and a pre-committed transaction left open past 80 % of it;
+- `inventory`: a 10 s transaction timeout and a written transaction left open past 80 % of it;
 - `payments`: a batch whose decided commit Kafka refused for good, so it is LOST and the sink is
   halted. That refusal is the real broker's (tests/fixtures/real_kafka.py): a second coordinator process
   with the Kafka control plane sends EndTxn for a producer the transactional id never had, and
@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from fixtures.real_kafka import RealKafka
-from fixtures.servers import REPO_ROOT, ProtocolClient, ServiceProcess
+from fixtures.servers import REPO_ROOT, ProtocolClient, ServiceProcess, Winner
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -66,16 +66,19 @@ def writer_for(admin: ProtocolClient, name: str, prefix: str, **extra: Any) -> P
     return admin.with_token(token)
 
 
-def write(w: ProtocolClient, sink: str, gen: int, batch: int, records: list[int], *, commit: bool = True,
-          precommit: bool = True) -> list[dict[str, Any]]:
-    attempt = w.begin(sink, batch, gen)["attempt"]
+def write(w: ProtocolClient, sink: str, gen: int, batch: int, records: list[int], *,
+          commit: bool = True) -> list[dict[str, Any]]:
+    """A batch through the protocol: begin with its pre-leases, each partition's first try claims
+    one and writes; the driver commits their records (or not: the tries' transactions stay open)."""
+    attempt = w.begin(sink, batch, gen, partitions=len(records))["attempt"]
     leases = [w.lease(sink, batch, attempt, gen, p, 100 * batch + p) for p in range(len(records))]
-    if precommit:
-        for x, n in zip(leases, records, strict=True):
-            w.precommit(sink, x["lease_id"], gen, producer_id=9000 + x["lease_id"], producer_epoch=1, records=n, bytes=n * 50)
     if commit:
-        w.commit(sink, batch, attempt, gen, {x["partition"]: x["lease_id"] for x in leases})
+        w.commit(sink, batch, attempt, gen, {x["partition"]: winner(x, n) for x, n in zip(leases, records, strict=True)})
     return leases
+
+
+def winner(lease: dict[str, Any], records: int) -> Winner:
+    return Winner.of(lease, 9000 + lease["lease_id"], producer_epoch=1, records=records, bytes=records * 50)
 
 
 def percent(leased_at: str, at: float) -> float:
@@ -87,9 +90,10 @@ def test_dashboard_in_a_browser(browser: Any, services: dict[str, ServiceProcess
     broker = real_kafka
     quiet = {"COORDINATOR_RECOVERY_ENABLED": "false"}
     # the sinks are registered through this process: Kafka and recovery timings small enough that
-    # the inventory sink's 500 ms commit margin exceeds the commit reach (rules.CommitReach)
+    # the inventory sink's 500 ms commit margin exceeds the commit reach (configuration.CommitReach:
+    # TTL 150 + 2 x interval 10 + retry budget 100 + request timeout 100 = 370 ms)
     short = {"COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS": "100", "COORDINATOR_KAFKA_RETRY_BUDGET_MS": "100",
-             "COORDINATOR_RECOVERY_INTERVAL_MS": "10", "COORDINATOR_RECOVERY_LEADER_TTL_MS": "50"}
+             "COORDINATOR_RECOVERY_INTERVAL_MS": "10", "COORDINATOR_RECOVERY_LEADER_TTL_MS": "150"}
     dash = services["dash"] = ServiceProcess(
         database_url, ADMIN, tmp_path, name="dashboard",
         env={**quiet, **short, "COORDINATOR_DASHBOARD_VIEWER_TOKEN": VIEWER})
@@ -107,7 +111,7 @@ def test_dashboard_in_a_browser(browser: Any, services: dict[str, ServiceProcess
                            commit_margin_ms=500)
     gen_i = inventory.start_generation("inventory", "q-inventory", "r-1")["generation"]
     write(inventory, "inventory", gen_i, 0, [8])
-    (open_lease,) = write(inventory, "inventory", gen_i, 1, [6], commit=False)  # pre-committed, left open
+    (open_lease,) = write(inventory, "inventory", gen_i, 1, [6], commit=False)  # written, left open
 
     orders = writer_for(admin, "orders", "orders-eos")
     gen_o = orders.start_generation("orders", "q-orders", "r-1")["generation"]
@@ -118,13 +122,13 @@ def test_dashboard_in_a_browser(browser: Any, services: dict[str, ServiceProcess
     gen_c = clicks.start_generation("clicks", "q-clicks", "r-1")["generation"]
     write(clicks, "clicks", gen_c, 0, [3])
     write(clicks, "clicks", gen_c, 1, [4])
-    write(clicks, "clicks", gen_c, 2, [2], commit=False, precommit=False)  # an executor holds a lease
+    write(clicks, "clicks", gen_c, 2, [2], commit=False)  # an executor holds a lease
 
     payments = writer_for(admin, "payments", "payments-eos", bootstrap_servers=broker.bootstrap, topics=["pay"])
     payments = kafka_side.client(payments.token)
     gen_p = payments.start_generation("payments", "q-payments", "r-1")["generation"]
     (lost_lease,) = write(payments, "payments", gen_p, 0, [12], commit=False)
-    refused = payments.commit("payments", 0, 1, gen_p, {0: lost_lease["lease_id"]}, expect=409)
+    refused = payments.commit("payments", 0, 1, gen_p, {0: winner(lost_lease, 12)}, expect=409)
     assert refused["error"]["reason"] == "data_lost", refused
     kafka_side.stop()
 
@@ -161,7 +165,7 @@ def test_dashboard_in_a_browser(browser: Any, services: dict[str, ServiceProcess
     assert page.locator("[data-testid=pool]").get_attribute("data-leased") == "0"  # ids are back after commits
     page.screenshot(path=str(ARTIFACTS / "dashboard-sink-orders.png"), full_page=True)
 
-    # --- a checkpoint page: the lost batch with its pre-commit and event trail ------------------
+    # --- a checkpoint page: the lost batch with its winner's record and event trail --------------
     page.goto(base + "/sinks/payments/checkpoints/0")
     assert page.locator("[data-testid=checkpoint-state]").inner_text() == "LOST"
     assert "invalid_producer_id_mapping" in page.locator("[data-testid=lost-reason]").inner_text()

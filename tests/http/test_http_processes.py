@@ -19,13 +19,25 @@ from typing import Any
 import httpx
 import pytest
 
+from sqlalchemy import text
+
 from coordinator.kafka.control_plane import RecordingControlPlane
 from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.invariants import Snapshot, check_invariants, check_unchanged
 from coordinator.service import Coordinator, Limits, SinkSpec
-from coordinator.store import repo
 from coordinator.store.db import make_engine
-from fixtures.servers import ProtocolClient, ServiceProcess, clean_env, free_port, start_services, stop_process, tail, wait_for_http
+from coordinator.store.snapshot import snapshot as read_snapshot
+from fixtures.servers import (
+    ProtocolClient,
+    ServiceProcess,
+    Winner,
+    clean_env,
+    free_port,
+    start_services,
+    stop_process,
+    tail,
+    wait_for_http,
+)
 
 ADMIN = "process-test-admin-token"
 SINK = "events"
@@ -36,7 +48,6 @@ V1_PATHS = (
     "/v1/sinks/{name}/generations",
     "/v1/sinks/{name}/checkpoints/{batch_id}/begin",
     "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/leases",
-    "/v1/sinks/{name}/leases/{lease_id}/precommit",
     "/v1/sinks/{name}/checkpoints/{batch_id}/attempts/{attempt}/commit",
 )
 
@@ -66,7 +77,17 @@ def snapshot(database_url: str) -> Snapshot:
     engine = make_engine(database_url, pool_size=1)
     try:
         with engine.connect() as conn:
-            return repo.snapshot(conn)
+            return read_snapshot(conn)
+    finally:
+        engine.dispose()
+
+
+def pool_size(database_url: str) -> int:
+    """How many ids the sink's pool holds (it grows on demand)."""
+    engine = make_engine(database_url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT size FROM id_pools")).scalar_one())
     finally:
         engine.dispose()
 
@@ -80,28 +101,27 @@ def run_executors(
     tasks: Sequence[tuple[int, int]],
     *,
     records: Callable[[int], int] = lambda p: p + 1,
-) -> dict[tuple[int, int], tuple[dict[str, Any], dict[str, Any]]]:
+) -> dict[tuple[int, int], tuple[dict[str, Any], Winner]]:
     """One thread per Spark task attempt (partition, task_attempt_id), all released at once: each
-    leases on one service process and pre-commits on the other (spread over the replicas, as a
-    load balancer would). Returns (partition, task) -> (lease answer, pre-commit answer)."""
+    asks for its lease on one service process and asks again on the other (a retried request after
+    a lost answer, spread over the replicas as a load balancer would), which must answer the same
+    lease. Returns (partition, task) -> (lease answer, the record the try returns to the driver)."""
     barrier = threading.Barrier(len(tasks))
 
-    def task(i: int, partition: int, task_attempt_id: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    def task(i: int, partition: int, task_attempt_id: int) -> tuple[dict[str, Any], Winner]:
         lease_on = services[i % len(services)].client(token)
-        precommit_on = services[(i + 1) % len(services)].client(token)
+        retry_on = services[(i + 1) % len(services)].client(token)
         try:
             barrier.wait(30)
             lease = lease_on.lease(SINK, batch_id, attempt, generation, partition, task_attempt_id)
+            again = retry_on.lease(SINK, batch_id, attempt, generation, partition, task_attempt_id)
+            assert {k: v for k, v in again.items() if k != "age_ms"} == {k: v for k, v in lease.items() if k != "age_ms"}
             # a producer id per task attempt, as InitProducerId would hand out
-            producer_id = 1_000_000 + task_attempt_id
-            pre = precommit_on.precommit(
-                SINK, lease["lease_id"], generation, producer_id=producer_id,
-                producer_epoch=partition % 7, records=records(partition), bytes=100 * records(partition),
-            )
-            return lease, pre
+            return lease, Winner.of(lease, 1_000_000 + task_attempt_id, producer_epoch=partition % 7,
+                                    records=records(partition), bytes=100 * records(partition))
         finally:
             lease_on.close()
-            precommit_on.close()
+            retry_on.close()
 
     with ThreadPoolExecutor(max_workers=len(tasks)) as pool:
         futures = {(p, t): pool.submit(task, i, p, t) for i, (p, t) in enumerate(tasks)}
@@ -222,8 +242,9 @@ def test_64_concurrent_executors_on_one_checkpoint(launch: Callable[[int], list[
     speculative = [p for p in range(n) if p % 8 == 5]  # 8 partitions run twice (spark.speculation)
     tasks = [(p, 1000 + p) for p in range(n)] + [(p, 5000 + p) for p in speculative]
 
-    begun = driver.begin(SINK, 0, gen)
-    assert begun["action"] == "write" and begun["attempt"] == 1
+    begun = driver.begin(SINK, 0, gen, partitions=n)
+    assert begun["action"] == "write" and begun["attempt"] == 1 and begun["pre_leased"] == n
+    pre_leases = {x["partition"]: x["lease_id"] for x in driver.checkpoint(SINK, 0)["leases"]}
     results = run_executors(services, token, 0, 1, gen, tasks)
 
     leases = {key: lease for key, (lease, _) in results.items()}
@@ -232,23 +253,27 @@ def test_64_concurrent_executors_on_one_checkpoint(launch: Callable[[int], list[
     tids = [x["transactional_id"] for x in leases.values()]
     assert len(set(tids)) == len(tasks), sorted(tids)
     assert all(t.startswith(PREFIX + "-") for t in tids)
-    for (p, task_id), (lease, pre) in results.items():
-        assert (lease["partition"], lease["task_attempt_id"], lease["attempt"]) == (p, task_id, 1)
-        assert pre["state"] == "PRECOMMITTED" and pre["producer_id"] == 1_000_000 + task_id
+    for (p, task_id), lease in leases.items():
+        assert (lease["partition"], lease["task_attempt_id"], lease["attempt"], lease["state"]) == (p, task_id, 1, "LEASED")
+    # each partition's pre-lease went to exactly one of its tries (the first to ask), the other a fresh id
+    for p in range(n):
+        claims = [lease for (q, _), lease in leases.items() if q == p and lease["lease_id"] == pre_leases[p]]
+        assert len(claims) == 1, (p, claims)
     open_txns = driver.request("GET", f"/v1/sinks/{SINK}/transactions/open")
     assert sorted(x["transactional_id"] for x in open_txns) == sorted(tids)
 
     # Spark accepted the speculative copy for some partitions, the original for the others
-    winners = {p: leases[(p, 1000 + p)]["lease_id"] for p in range(n)}
+    winners = {p: results[(p, 1000 + p)][1] for p in range(n)}
     for p in speculative[::2]:
-        winners[p] = leases[(p, 5000 + p)]["lease_id"]
-    losers = {x["transactional_id"] for x in leases.values() if x["lease_id"] not in winners.values()}
+        winners[p] = results[(p, 5000 + p)][1]
+    chosen = {w.lease_id for w in winners.values()}
+    losers = {x["transactional_id"] for x in leases.values() if x["lease_id"] not in chosen}
     assert len(losers) == len(speculative)
 
     done = driver.commit(SINK, 0, 1, gen, winners)
     assert done["state"] == "COMMITTED" and done["attempt"] == 1
     assert [c["partition"] for c in done["committed"]] == list(range(n))
-    assert {c["partition"]: c["lease_id"] for c in done["committed"]} == winners
+    assert {c["partition"]: c["lease_id"] for c in done["committed"]} == {p: w.lease_id for p, w in winners.items()}
     assert all(c["records"] == c["partition"] + 1 for c in done["committed"])
     assert set(done["aborted"]) == losers and done["abort_pending"] == []
     assert done["warnings"] == []
@@ -259,23 +284,22 @@ def test_64_concurrent_executors_on_one_checkpoint(launch: Callable[[int], list[
     assert check_invariants(snap, settled=True) == []
     assert sorted(x.state for x in snap.leases).count("COMMITTED") == n
     assert [x for x in snap.leases if x.state not in ("COMMITTED", "ABORTED")] == []
-    assert len(snap.transactional_ids) == len(tasks)  # the pool grew exactly to the concurrency
-    assert {t.state for t in snap.transactional_ids} == {"FREE"}
+    assert pool_size(database_url) == len(tasks)  # the pool grew exactly to the concurrency
+    # the winners' ids are free at once; the losers' wait out their quarantine
+    assert {f"{PREFIX}-{q.ordinal}" for q in snap.quarantines} == losers
 
     # the next batch, 64 executors again: the pool is reused, not grown
-    b1 = driver.begin(SINK, 1, gen)
+    b1 = driver.begin(SINK, 1, gen, partitions=n)
     assert b1["action"] == "write"
     results = run_executors(services, token, 1, b1["attempt"], gen, [(p, 9000 + p) for p in range(n)])
     tids1 = [lease["transactional_id"] for lease, _ in results.values()]
-    assert len(set(tids1)) == n and set(tids1) <= set(tids)
-    done1 = services[1].client(token).commit(
-        SINK, 1, b1["attempt"], gen, {p: lease["lease_id"] for (p, _), (lease, _) in results.items()}
-    )
+    assert len(set(tids1)) == n and set(tids1) == set(tids) - losers
+    done1 = services[1].client(token).commit(SINK, 1, b1["attempt"], gen, {p: w for (p, _), (_, w) in results.items()})
     assert done1["state"] == "COMMITTED" and len(done1["committed"]) == n
 
     snap = snapshot(database_url)
     assert check_invariants(snap, settled=True) == []
-    assert len(snap.transactional_ids) == len(tasks)
+    assert pool_size(database_url) == len(tasks)
     assert_services_alive(services)
 
 
@@ -326,6 +350,7 @@ def test_two_service_processes_on_one_database(launch: Callable[[int], list[Serv
     parts = 6
     for batch in range(4):
         first, other = ("a", "b") if batch % 2 == 0 else ("b", "a")
+        # no partition count (a client without pre-leases): every try gets an id of its own
         begun = on[first].begin(SINK, batch, gen1)
         assert begun["action"] == "write" and begun["attempt"] == 1
         assert on[other].begin(SINK, batch, gen1) == begun  # the driver's retry lands on the other
@@ -335,10 +360,10 @@ def test_two_service_processes_on_one_database(launch: Callable[[int], list[Serv
         if batch == 1:
             tasks.append((0, 100 * batch + 50))  # a speculative copy of partition 0 that loses
         results = run_executors(services, token, batch, 1, gen1, tasks)
-        winners: dict[int, int | None] = {p: None for p in range(parts)}
-        for (p, task_id), (lease, _) in results.items():
+        winners: dict[int, Winner | None] = {p: None for p in range(parts)}
+        for (p, task_id), (_, record) in results.items():
             if task_id % 100 < 50:
-                winners[p] = lease["lease_id"]
+                winners[p] = record
 
         if batch == 2:
             # the same commit sent to both replicas at the same moment: one decision, same answers
@@ -358,7 +383,7 @@ def test_two_service_processes_on_one_database(launch: Callable[[int], list[Serv
             assert on[first].commit(SINK, batch, 1, gen1, winners) == done
         assert done["state"] == "COMMITTED"
         assert {c["partition"]: c["lease_id"] for c in done["committed"]} == {
-            p: lid for p, lid in winners.items() if lid is not None
+            p: w.lease_id for p, w in winners.items() if w is not None
         }
         if batch == 1:
             assert done["aborted"] == [results[(0, 150)][0]["transactional_id"]]
@@ -377,15 +402,15 @@ def test_two_service_processes_on_one_database(launch: Callable[[int], list[Serv
     assert gen2 == gen1 + 1
     assert set(g2["aborted"]) == old_tids and g2["abort_pending"] == []
 
-    old_winners = {p: lease["lease_id"] for (p, _), (lease, _) in old.items()}
+    old_winners: dict[int, Winner | None] = {p: record for (p, _), (_, record) in old.items()}
     before = snapshot(database_url)
     resp = on["a"].commit(SINK, batch, 1, gen1, old_winners, expect=None)
     assert error_reason(resp, 409) == "stale_generation"
     assert resp.json()["error"]["detail"]["current_generation"] == gen2
     assert error_reason(on["b"].commit(SINK, batch, 1, gen1, old_winners, expect=None), 409) == "stale_generation"
     assert error_reason(on["a"].lease(SINK, batch, 1, gen1, 0, 499, expect=None), 409) == "stale_generation"
-    lease0 = old[(0, 400)][0]["lease_id"]
-    assert error_reason(on["b"].precommit(SINK, lease0, gen1, producer_id=1, expect=None), 409) == "stale_generation"
+    # an old try asking for its lease again (its answer was lost) through the other replica
+    assert error_reason(on["b"].lease(SINK, batch, 1, gen1, 0, 400, expect=None), 409) == "stale_generation"
     assert error_reason(on["a"].begin(SINK, batch + 1, gen1, expect=None), 409) == "stale_generation"
     assert check_unchanged(before, snapshot(database_url)) == []  # I5: the fenced calls changed nothing
 
@@ -394,7 +419,7 @@ def test_two_service_processes_on_one_database(launch: Callable[[int], list[Serv
     assert begun["action"] == "write" and begun["attempt"] == 2
     assert set(begun["aborted"]) == old_tids
     new = run_executors(services, token, batch, 2, gen2, [(p, 600 + p) for p in range(parts)])
-    new_winners = {p: lease["lease_id"] for (p, _), (lease, _) in new.items()}
+    new_winners: dict[int, Winner | None] = {p: record for (p, _), (_, record) in new.items()}
     done = on["b"].commit(SINK, batch, 2, gen2, new_winners)
     assert done["state"] == "COMMITTED" and done["attempt"] == 2
     assert on["a"].commit(SINK, batch, 2, gen2, new_winners) == done
@@ -407,8 +432,7 @@ def test_two_service_processes_on_one_database(launch: Callable[[int], list[Serv
     begun = on["b"].begin(SINK, batch, gen2)
     assert begun["action"] == "write"
     results = run_executors([b], token, batch, begun["attempt"], gen2, [(p, 700 + p) for p in range(parts)])
-    done = on["b"].commit(SINK, batch, begun["attempt"], gen2,
-                          {p: lease["lease_id"] for (p, _), (lease, _) in results.items()})
+    done = on["b"].commit(SINK, batch, begun["attempt"], gen2, {p: record for (p, _), (_, record) in results.items()})
     assert done["state"] == "COMMITTED"
     assert_services_alive([b])
 

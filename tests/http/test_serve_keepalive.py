@@ -15,8 +15,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from fixtures.servers import REPO_ROOT, clean_env, free_port, stop_process, wait_for_http
+
+# latency bounds (a 40 ms stall against a 20 ms bound): a performance-shape check, out of the default run
+pytestmark = pytest.mark.perf
 
 ADMIN = "keepalive-test-admin-token"
 REQUESTS = 20

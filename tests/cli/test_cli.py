@@ -19,7 +19,7 @@ from fixtures.kafka_producers import (
     settled_partition_log,
 )
 from fixtures.real_kafka import RealKafka
-from fixtures.servers import REPO_ROOT, ServiceProcess, clean_env, scripted_http
+from fixtures.servers import REPO_ROOT, ServiceProcess, Winner, clean_env, scripted_http
 
 ADMIN = "cli-admin-token-51be"
 
@@ -42,13 +42,11 @@ def test_operator_commands_against_a_running_service(service: ServiceProcess) ->
     try:
         writer = admin.with_token(admin.register_sink("orders", "ord", topics=["out"])["writer_token"])
         gen = writer.start_generation("orders", "q", "r")["generation"]
-        a0 = writer.begin("orders", 0, gen)["attempt"]
+        a0 = writer.begin("orders", 0, gen, partitions=1)["attempt"]
         lease0 = writer.lease("orders", 0, a0, gen, 0, task_attempt_id=1)
-        writer.precommit("orders", lease0["lease_id"], gen, producer_id=11)
-        writer.commit("orders", 0, a0, gen, {0: lease0["lease_id"]})
-        a1 = writer.begin("orders", 1, gen)["attempt"]
-        open_lease = writer.lease("orders", 1, a1, gen, 0, task_attempt_id=2)
-        writer.precommit("orders", open_lease["lease_id"], gen, producer_id=12, records=7)
+        writer.commit("orders", 0, a0, gen, {0: Winner.of(lease0, producer_id=11)})
+        a1 = writer.begin("orders", 1, gen, partitions=1)["attempt"]
+        open_lease = writer.lease("orders", 1, a1, gen, 0, task_attempt_id=2)  # its try is writing
     finally:
         admin.close()
     url = service.url
@@ -74,11 +72,11 @@ def test_operator_commands_against_a_running_service(service: ServiceProcess) ->
     assert lines[3].split()[:3] == ["number", "state", "generation"] and lines[4].split()[:2] == ["1", "COMMITTED"]
     out = run("checkpoint", "orders", "1", "--leases", url=url)
     assert out.stdout.splitlines()[0] == "batch 1: OPEN; nothing decided yet", out.stderr
-    lease_row = out.stdout.splitlines()[-1].split()
-    assert lease_row[0] == str(open_lease["lease_id"]) and lease_row[5] == "PRECOMMITTED" and lease_row[8] == "7"
+    lease_row = out.stdout.splitlines()[-1].split()  # no producer or records yet: they come with the commit
+    assert lease_row == [str(open_lease["lease_id"]), str(a1), "0", "2", open_lease["transactional_id"], "LEASED"]
     listed = json.loads(run("checkpoint", "orders", "1", "--lease-state", "COMMITTED", "--json",
                             url=url).stdout)
-    assert listed["leases"] == [] and listed["lease_counts"] == {"PRECOMMITTED": 1}
+    assert listed["leases"] == [] and listed["lease_counts"] == {"LEASED": 1}
     assert run("checkpoint", "orders", "9", url=url).stderr.startswith("coordinator checkpoint: unknown_checkpoint")
 
     out = run("transactions", "orders", url=url)
@@ -86,9 +84,9 @@ def test_operator_commands_against_a_running_service(service: ServiceProcess) ->
     header, row = out.stdout.splitlines()
     assert header.split() == ["lease_id", "partition", "transactional_id", "state", "producer_id", "producer_epoch",
                               "records", "age_s", "timeout_s", "age_pct"]
-    cells = row.split()
-    assert cells[2] == open_lease["transactional_id"] and cells[3] == "PRECOMMITTED" and cells[6] == "7"
-    assert cells[8] == "60.0" and 0 <= float(cells[7]) < 60  # age vs the 60 s timeout
+    cells = row.split()  # producer_id, producer_epoch and records are empty until the commit
+    assert cells[:4] == [str(open_lease["lease_id"]), "0", open_lease["transactional_id"], "LEASED"]
+    assert cells[5] == "60.0" and 0 <= float(cells[4]) < 60  # age vs the 60 s timeout
 
     out = run("commit", "orders", "0", url=url)  # finished already: answered from the record
     assert out.returncode == 0 and out.stdout.startswith("batch 0: COMMITTED by attempt 1; 1 partition(s) committed")
@@ -124,7 +122,7 @@ def test_operator_commands_against_a_running_service(service: ServiceProcess) ->
     finally:
         admin.close()
     wide = json.loads(run("checkpoint", "orders", "2", "--leases", "--json", url=url).stdout)
-    assert [x["partition"] for x in wide["leases"]] == list(range(1001)) and wide["lease_counts"] == {"LEASED": 1001}
+    assert [x["partition"] for x in wide["leases"]] == list(range(1001)) and wide["lease_counts"] == {"PRELEASED": 1001}
 
 
 def test_an_answer_that_is_not_the_coordinators_is_one_clear_line() -> None:
@@ -294,10 +292,9 @@ def test_prune_history_deletes_old_batches_history_chunk_by_chunk(service: Servi
         writer = admin.with_token(admin.register_sink("orders", "ord", topics=["out"])["writer_token"])
         gen = writer.start_generation("orders", "q", "r")["generation"]
         for batch in range(3):
-            attempt = writer.begin("orders", batch, gen)["attempt"]
+            attempt = writer.begin("orders", batch, gen, partitions=1)["attempt"]
             lease = writer.lease("orders", batch, attempt, gen, 0, task_attempt_id=1)
-            writer.precommit("orders", lease["lease_id"], gen, producer_id=11 + batch)
-            writer.commit("orders", batch, attempt, gen, {0: lease["lease_id"]})
+            writer.commit("orders", batch, attempt, gen, {0: Winner.of(lease, producer_id=11 + batch)})
     finally:
         admin.close()
     engine = create_engine(database_url.replace("postgresql://", "postgresql+psycopg://", 1))
@@ -315,7 +312,7 @@ def test_prune_history_deletes_old_batches_history_chunk_by_chunk(service: Servi
     assert out.returncode == 0, out.stderr
     assert out.stderr.splitlines() == ["pruned 1 of ~2 batch(es)", "pruned 2 of ~2 batch(es)"]
     assert "pruned the history of 2 committed batch(es) of all sinks" in out.stdout
-    assert ": 2 attempt(s), 2 lease row(s), 2 event(s); their checkpoint rows stay" in out.stdout
+    assert ": 2 attempt(s), 2 lease(s), 2 event(s); their checkpoint rows stay" in out.stdout
     listed = json.loads(run("checkpoints", "orders", "--json", url=url).stdout)
     assert [(c["batch_id"], c["state"], c["history_pruned_at"] is not None) for c in listed] == [
         (2, "COMMITTED", False), (1, "COMMITTED", True), (0, "COMMITTED", True)]

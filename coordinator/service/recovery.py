@@ -120,11 +120,13 @@ class _Backoff:
 class RecoveryLoop:
     def __init__(self, coordinator: Coordinator, *, interval_ms: int = 5_000, leader_ttl_ms: int = 15_000,
                  holder: str | None = None, max_backoff_ms: int = 60_000, monotonic: Callable[[], float] = time.monotonic,
-                 finish_grace_ms: int = 0, history_retention: timedelta | None = None, sweep_interval_ms: int = 30_000,
+                 finish_grace_ms: int = 0, history_retention: timedelta | None = None,
+                 sweep_interval_ms: int | None = 30_000,
                  workers: int = 8, finish_workers: int = 64) -> None:
         """`finish_grace_ms`: a decided commit younger than this is left to the call that decided
         it (the service passes its commit reach's recovery_grace_ms). `history_retention`: prune
-        the history of batches committed longer ago than this; None keeps it all."""
+        the history of batches committed longer ago than this; None keeps it all.
+        `sweep_interval_ms`: how often each cluster is swept (None: never, for tests of the other steps)."""
         if leader_ttl_ms <= interval_ms:
             raise ValueError(f"the recovery leader TTL ({leader_ttl_ms} ms) must exceed the loop interval "
                              f"({interval_ms} ms), or the leader's lease lapses between its renewals")
@@ -142,6 +144,7 @@ class RecoveryLoop:
         self._running: dict[tuple[str, str], Future[list[SinkReport]]] = {}  # (sink or cluster, kind): in flight
         self._lock = threading.Lock()
         self._next_sweep = float("-inf")  # monotonic time the next sweep of every cluster is due
+        self._warning: set[str] = set()  # sinks with transactions near their timeout at the last pass
         self._prune_at = float("-inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -169,6 +172,10 @@ class RecoveryLoop:
         metrics.RECOVERY_ITERATIONS.inc()
         self.iterations += 1
         due, names = self._due()
+        warning = {names[k] for k, steps in due.steps.items() if Step.NEAR_TIMEOUT in steps and k in names}
+        for name in self._warning - warning:  # nothing near its timeout any more
+            metrics.TRANSACTIONS_NEAR_TIMEOUT.labels(name).set(0)
+        self._warning = warning
         started: list[Future[list[SinkReport]]] = []
         for sink_id, steps in sorted(due.steps.items(), key=lambda kv: names.get(kv[0], "")):
             name = names.get(sink_id)
@@ -256,8 +263,6 @@ class RecoveryLoop:
                 self._failed(name, step.value, exc)
             else:
                 self._succeeded(name, step.value)
-        if Step.NEAR_TIMEOUT not in steps:
-            metrics.TRANSACTIONS_NEAR_TIMEOUT.labels(name).set(0)
         if r.lost:
             log.error("recovery loop: sink %s lost data in batches %s; it is halted until acknowledged", name, r.lost)
         if c.control_plane is not None and Step.FINISH not in steps:
@@ -270,7 +275,7 @@ class RecoveryLoop:
         """Every sweep interval, one sweep per Kafka cluster of the live sinks."""
         c = self.coordinator
         now = self._monotonic()
-        if c.control_plane is None or now < self._next_sweep:
+        if c.control_plane is None or self.sweep_interval_ms is None or now < self._next_sweep:
             return []
         self._next_sweep = now + self.sweep_interval_ms / 1000
         by_cluster: dict[str, list[Sink]] = {}

@@ -89,26 +89,20 @@ class CommitReach:
     @property
     def retry_window_ms(self) -> int:
         """Every finisher stops retrying a decided commit's EndTxn this long after the decision:
-        a failed-over loop's pass (TTL + interval), the pass's own interval, then a retry budget."""
-        return self.leader_ttl_ms + 2 * self.recovery_interval_ms + self.retry_budget_ms
+        long enough for a failed-over loop's pass (TTL + interval) and the pass's own interval to
+        leave a whole retry budget, and never before the loop's first look at an orphaned decision
+        (its grace plus an interval), which then makes one try."""
+        return self.retry_budget_ms + self.recovery_interval_ms + max(
+            self.leader_ttl_ms + self.recovery_interval_ms, self.request_timeout_ms)
 
     @property
     def total_ms(self) -> int:
         return self.retry_window_ms + self.request_timeout_ms
 
-    def check(self) -> None:
-        """The loop must get a pass at an orphaned decision inside the window: its grace plus one
-        interval end before the window does."""
-        if self.recovery_grace_ms + self.recovery_interval_ms >= self.retry_window_ms:
-            raise ValueError(
-                f"the recovery loop would never retry an orphaned commit: it waits the commit retry budget plus a "
-                f"request timeout ({self.recovery_grace_ms} ms) and up to an interval ({self.recovery_interval_ms} "
-                f"ms), but every finisher stops retrying {self.retry_window_ms} ms after the decision (leader TTL "
-                f"{self.leader_ttl_ms} + 2 x interval + retry budget); raise the leader TTL above the request timeout")
-
     def describe(self) -> str:
-        return (f"leader TTL {self.leader_ttl_ms} + 2 x recovery interval {self.recovery_interval_ms} + commit retry "
-                f"budget {self.retry_budget_ms} + Kafka request timeout {self.request_timeout_ms} = {self.total_ms} ms")
+        return (f"commit retry budget {self.retry_budget_ms} + recovery interval {self.recovery_interval_ms} + the "
+                f"later of a leader failover (TTL {self.leader_ttl_ms} + interval) and a Kafka request timeout "
+                f"({self.request_timeout_ms}), then a request timeout = {self.total_ms} ms")
 
 
 # the default margin exceeds the commit reach by at least this much (a request's own latency)

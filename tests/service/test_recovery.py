@@ -257,15 +257,19 @@ def test_the_commit_reach_counts_every_finishers_window_from_the_decision() -> N
     the decider also led the loop, a failover plus an interval); every finisher stops retrying at
     the window's end, counted from the decision, and its last request lands within a request
     timeout: no later than the reach every commit margin exceeds."""
-    reach = CommitReach(request_timeout_ms=4_000, retry_budget_ms=8_000, leader_ttl_ms=6_000, recovery_interval_ms=2_000)
-    reach.check()
-    assert reach.recovery_grace_ms == 12_000 and reach.retry_window_ms == 18_000 and reach.total_ms == 22_000
-    first_pass = max(reach.recovery_grace_ms, reach.leader_ttl_ms + reach.recovery_interval_ms) + reach.recovery_interval_ms
-    assert first_pass < reach.retry_window_ms  # the loop gets a pass inside the window
-    assert reach.retry_window_ms + reach.request_timeout_ms <= reach.total_ms
-    with pytest.raises(ValueError, match="never retry an orphaned commit"):
-        CommitReach(request_timeout_ms=10_000, retry_budget_ms=8_000, leader_ttl_ms=6_000,
-                    recovery_interval_ms=2_000).check()
+    for reach in (CommitReach(request_timeout_ms=4_000, retry_budget_ms=8_000, leader_ttl_ms=6_000,
+                              recovery_interval_ms=2_000),
+                  CommitReach(request_timeout_ms=4_000, retry_budget_ms=8_000, leader_ttl_ms=1_000,
+                              recovery_interval_ms=200)):  # a short TTL: the loop's grace is the later
+        first_pass = max(reach.recovery_grace_ms, reach.leader_ttl_ms + reach.recovery_interval_ms) \
+            + reach.recovery_interval_ms
+        assert first_pass <= reach.retry_window_ms  # the loop looks at it inside the window
+        # a failed-over loop still gets a whole retry budget inside the window
+        assert reach.leader_ttl_ms + 2 * reach.recovery_interval_ms + reach.retry_budget_ms <= reach.retry_window_ms
+        deciders_last = reach.retry_budget_ms + reach.request_timeout_ms
+        assert max(deciders_last, reach.retry_window_ms + reach.request_timeout_ms) <= reach.total_ms
+    default = CommitReach(4_000, 8_000, 6_000, 2_000)
+    assert (default.recovery_grace_ms, default.retry_window_ms, default.total_ms) == (12_000, 18_000, 22_000)
 
 
 def test_a_late_finisher_retries_once_the_window_is_over(coordinator: Coordinator, clock: ManualClock) -> None:

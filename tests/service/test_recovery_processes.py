@@ -27,16 +27,15 @@ from coordinator.service.clock import ManualClock
 from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane
 from coordinator.protocol import errors as e
 from coordinator.protocol.invariants import check_invariants
-from coordinator.protocol.model import PartitionResult
-from coordinator.protocol.rules import PrecommitRequest
+from coordinator.protocol.model import PartitionResult, PrecommitRecord
 from coordinator.protocol.states import CheckpointState
 from coordinator.service import Coordinator, SinkSpec
-from coordinator.store import repo
+from coordinator.store.snapshot import snapshot
 from coordinator.store.tables import checkpoints
 from fixtures.kafka_producers import partition_log, run_transactional_producers, settled_partition_log
 from fixtures.kafka_proxy import API_END_TXN
 from fixtures.real_kafka import RealKafka
-from fixtures.servers import ServiceProcess, start_services
+from fixtures.servers import ServiceProcess, Winner, start_services
 
 pytestmark = pytest.mark.slow
 
@@ -113,10 +112,10 @@ def test_sigkill_after_the_decision_and_the_recovery_loop_finishes_the_commit(
     gen = writer.start_generation("orders", "query-1", "run-1")["generation"]
     attempt = writer.begin("orders", 0, gen)["attempt"]
     leases = [writer.lease("orders", 0, attempt, gen, p, 10 + p) for p in (0, 1)]
-    # two executors (their own processes) write, flush, pre-commit, and exit without committing
+    # two executors (their own processes) write, flush, and hand their records to the driver
     stats = run_transactional_producers(broker.bootstrap, [(x["transactional_id"], topic, x["partition"]) for x in leases])
-    for x, st in zip(leases, stats, strict=True):
-        writer.precommit("orders", x["lease_id"], gen, st.producer_id, st.producer_epoch, st.records, 30)
+    winners = {x["partition"]: Winner.of(x, st.producer_id, producer_epoch=st.producer_epoch, records=st.records,
+                                         bytes=30) for x, st in zip(leases, stats, strict=True)}
     assert all(partition_log(broker.bootstrap, topic, p).has_open_transaction for p in (0, 1))
 
     proxy.inject(API_END_TXN, action="hold", times=1_000_000)  # the commits hang on the way to Kafka
@@ -124,8 +123,7 @@ def test_sigkill_after_the_decision_and_the_recovery_loop_finishes_the_commit(
 
     def commit() -> None:
         try:
-            answer.append(writer.commit("orders", 0, attempt, gen, {0: leases[0]["lease_id"], 1: leases[1]["lease_id"]},
-                                        expect=None))
+            answer.append(writer.commit("orders", 0, attempt, gen, winners, expect=None))
         except Exception as exc:  # noqa: BLE001 - the service dies under the call
             answer.append(exc)
 
@@ -171,7 +169,7 @@ def test_sigkill_after_the_decision_and_the_recovery_loop_finishes_the_commit(
     assert finished["detail"] == {"batch_id": 0, "attempt": attempt, "by": "recovery_loop"}
     assert "data_lost" not in kinds
     with engine.connect() as conn:
-        violations = check_invariants(repo.snapshot(conn), settled=True)
+        violations = check_invariants(snapshot(conn), settled=True)
     assert violations == [], [str(v) for v in violations]
     assert took < 30
 
@@ -220,10 +218,9 @@ def test_two_processes_one_leader_and_takeover_within_the_ttl(
         gen, _ = c.start_generation("views", "q", "r", "test")
         number = c.begin_checkpoint("views", 5, gen, "test").attempt.number  # type: ignore[union-attr]
         x = c.begin_partition("views", 5, number, gen, 0, 1)
-        x = c.precommit("views", x.id, gen, PrecommitRequest(42, 0, 3, 30))
         kafka.fail_next(ControlPlaneError("down", retriable=True))
         with pytest.raises(e.Unavailable):
-            c.commit("views", 5, number, gen, [PartitionResult(0, x.id)], "test")
+            c.commit("views", 5, number, gen, [PartitionResult(0, x.id, PrecommitRecord(1, 42, 0, 3, 30))], "test")
         assert checkpoint_state(engine, 5) == CheckpointState.COMMITTING.value
     finally:
         c.close()

@@ -258,3 +258,29 @@ def test_fuzz_harness_catches_a_broken_service(database_url: str) -> None:
     assert any("GET /things/{thing_id}" in f and "500" in f for f in report.failures), report.failures
     assert any(": 422 documented as" in f and "HTTPValidationError" in f for f in report.failures), report.failures
     assert changed_tables(before, after) == ["things"], "the unauthenticated write went unnoticed"
+
+
+def test_the_strict_422_check_refuses_every_other_shape() -> None:
+    """strict_422 on answers the service must never give: each broken variant is named."""
+    import httpx
+
+    documented = {"422": {"content": {"application/json": {"schema": ERROR_OUT}}}}
+    good = {"error": {"reason": "invalid_request", "message": "x: bad", "detail": {"fields": [
+        {"field": "x", "message": "bad"}]}}}
+
+    def check(body: Any, responses: dict[str, Any] = documented, status: int = 422) -> str | None:
+        return strict_422(responses, httpx.Response(status, json=body))
+
+    assert check(good) is None and check({"anything": 1}, status=409) is None
+    fastapi_own = {"422": {"content": {"application/json": {"schema": {
+        "$ref": "#/components/schemas/HTTPValidationError"}}}}}
+    assert "HTTPValidationError" in (check(good, fastapi_own) or "")
+    assert check(good, {}) is not None  # not documented at all
+    for broken in ({"detail": [{"loc": ["body", "x"], "msg": "bad", "type": "value_error"}]},
+                   {"error": {"reason": "invalid_request", "message": "x"}},  # no fields
+                   {"error": {"reason": "invalid_request", "message": "x", "detail": {"fields": []}}},
+                   {"error": {"reason": "", "message": "x", "detail": good["error"]["detail"]}},
+                   {"error": {**good["error"], "extra": 1}},
+                   {"error": good["error"], "detail": []},
+                   {"error": {**good["error"], "detail": {"fields": [{"field": "x"}]}}}):
+        assert check(broken) is not None, broken

@@ -144,7 +144,6 @@ def test_commit_reach_figures_with_the_default_settings():
     assert DEFAULT_REACH.recovery_grace_ms == 8_000 + 4_000  # retry budget + request timeout
     assert DEFAULT_REACH.retry_window_ms == 6_000 + 2 * 2_000 + 8_000  # TTL + 2 intervals + retry budget
     assert DEFAULT_REACH.total_ms == DEFAULT_REACH.retry_window_ms + 4_000 == 22_000
-    DEFAULT_REACH.check()  # the loop gets a pass at an orphaned decision inside the window
     assert "= 22000 ms" in DEFAULT_REACH.describe()
     # a 60 s sink's default margin covers the reach plus a request's own latency
     assert config.default_commit_margin_ms(60_000, DEFAULT_REACH) == 22_000 + config.REACH_SLACK_MS == 25_000
@@ -156,20 +155,27 @@ def test_commit_reach_figures_follow_each_setting():
     # distinct powers of ten, so each setting's share of each figure is visible
     reach = config.CommitReach(request_timeout_ms=1, retry_budget_ms=10, leader_ttl_ms=100, recovery_interval_ms=1_000)
     assert reach.recovery_grace_ms == 11
-    assert reach.retry_window_ms == 2_110
+    assert reach.retry_window_ms == 2_110  # a failover's pass (TTL + interval), an interval, a retry budget
     assert reach.total_ms == 2_111
+    # a request timeout longer than a failover: the window waits for the loop's first look instead
+    slow = config.CommitReach(request_timeout_ms=5_000, retry_budget_ms=10, leader_ttl_ms=100,
+                              recovery_interval_ms=1_000)
+    assert slow.recovery_grace_ms == 5_010 and slow.retry_window_ms == 6_010 and slow.total_ms == 11_010
 
 
-def test_commit_reach_check_refuses_a_loop_that_would_never_retry_an_orphaned_commit():
-    """The loop leaves a decision to its caller for the grace, then needs up to an interval: both
-    must end inside the window, i.e. the request timeout must stay below TTL + interval."""
-    edge = config.CommitReach(request_timeout_ms=4_000, retry_budget_ms=8_000, leader_ttl_ms=2_000,
-                              recovery_interval_ms=2_000)
-    assert edge.recovery_grace_ms + edge.recovery_interval_ms == edge.retry_window_ms
-    with pytest.raises(ValueError, match="would never retry an orphaned commit"):
-        edge.check()
-    config.CommitReach(request_timeout_ms=4_000, retry_budget_ms=8_000, leader_ttl_ms=2_001,
-                       recovery_interval_ms=2_000).check()
+@pytest.mark.parametrize("request_timeout_ms", [1_000, 4_000, 30_000])
+@pytest.mark.parametrize("retry_budget_ms", [0, 8_000])
+@pytest.mark.parametrize("leader_ttl_ms", [2_001, 6_000, 60_000])
+@pytest.mark.parametrize("recovery_interval_ms", [500, 2_000])
+def test_every_finisher_gets_its_chance_inside_the_window(request_timeout_ms, retry_budget_ms, leader_ttl_ms,
+                                                           recovery_interval_ms):
+    """Whatever the settings: the recovery loop's first look at an orphaned decision (after the
+    deciding call's grace, within an interval) comes before the window ends, and a failed-over
+    loop's pass (TTL + interval) plus an interval still leaves it a whole retry budget."""
+    reach = config.CommitReach(request_timeout_ms, retry_budget_ms, leader_ttl_ms, recovery_interval_ms)
+    assert reach.recovery_grace_ms + recovery_interval_ms <= reach.retry_window_ms
+    assert reach.retry_window_ms >= leader_ttl_ms + 2 * recovery_interval_ms + retry_budget_ms
+    assert reach.total_ms == reach.retry_window_ms + request_timeout_ms
 
 
 def test_validate_commit_reach_names_the_numbers():

@@ -1,8 +1,8 @@
-"""Issue 15 item 6: defaults that keep I4. A decided commit may reach Kafka as late as the Kafka
-request timeout + the commit retry budget + a recovery-leader failover after its decision, so a
-sink's commit margin must exceed that (rules.CommitReach). Registration refuses a sink that
-misses it (422 naming the numbers), the settings refuse values under which no sink could keep
-it, and the defaults agree."""
+"""Defaults that keep I4. A decided commit may reach Kafka as late as its retry window (a
+recovery-leader failover, the loop's interval, a retry budget, counted from the decision) plus a
+request timeout after its decision, so a sink's commit margin must exceed that
+(configuration.CommitReach). Registration refuses a sink that misses it (422 naming the numbers),
+the settings refuse values under which no sink could keep it, and the defaults agree."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from coordinator.http.api import create_app
 from coordinator.service.clock import ManualClock
 from coordinator.kafka.control_plane import RecordingControlPlane
 from coordinator.protocol import errors as e
-from coordinator.protocol import rules
+from coordinator.protocol import configuration as config
 from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.settings import Settings
 
 ADMIN = "reach-admin-token"
-REACH = rules.CommitReach(request_timeout_ms=5_000, retry_budget_ms=10_000, leader_ttl_ms=10_000,
+REACH = config.CommitReach(request_timeout_ms=5_000, retry_budget_ms=10_000, leader_ttl_ms=10_000,
                           recovery_interval_ms=2_000)
 
 
@@ -42,11 +42,12 @@ def spec(name: str, timeout_ms: int = 60_000, margin_ms: int | None = None) -> S
 def test_the_default_settings_agree() -> None:
     s = Settings(_env_file=None)
     reach = s.commit_reach()
-    assert reach.total_ms == s.kafka_request_timeout_ms + s.kafka_retry_budget_ms + s.recovery_leader_ttl_ms \
-        + s.recovery_interval_ms == 20_000
-    margin = rules.default_commit_margin_ms(60_000, reach)  # the default sink timeout
-    assert reach.total_ms < margin < 60_000
-    rules.validate_commit_reach(60_000, margin, reach)  # does not raise
+    assert (reach.request_timeout_ms, reach.retry_budget_ms, reach.leader_ttl_ms, reach.recovery_interval_ms) == (
+        s.kafka_request_timeout_ms, s.kafka_retry_budget_ms, s.recovery_leader_ttl_ms, s.recovery_interval_ms)
+    assert reach.total_ms == 22_000
+    margin = config.default_commit_margin_ms(60_000, reach)  # the default sink timeout
+    assert reach.total_ms < margin == 25_000 < 60_000
+    config.validate_commit_reach(60_000, margin, reach)  # does not raise
 
 
 def test_registration_refuses_a_margin_at_or_below_the_commit_reach(reaching: Coordinator) -> None:
@@ -56,19 +57,19 @@ def test_registration_refuses_a_margin_at_or_below_the_commit_reach(reaching: Co
         err = exc.value
         assert err.reason == "commit_margin_below_commit_reach" and err.status == 422
         assert f"commit_margin_ms={margin}" in err.message
-        assert "Kafka request timeout 5000 + commit retry budget 10000 + recovery-leader failover 12000" in err.message
-        assert "= 27000 ms" in err.message and "commit_margin_ms >= 30000" in err.message
+        assert REACH.describe() in err.message
+        assert "= 29000 ms" in err.message and "commit_margin_ms >= 32000" in err.message
     sink, created = reaching.register_sink(spec("enough", margin_ms=REACH.total_ms + 1), "t")
     assert created and sink.commit_margin_ms == REACH.total_ms + 1
     sink, _ = reaching.register_sink(spec("default"), "t")
-    assert sink.commit_margin_ms == REACH.total_ms + rules.REACH_SLACK_MS
+    assert sink.commit_margin_ms == REACH.total_ms + config.REACH_SLACK_MS
 
 
 def test_registration_refuses_a_timeout_that_leaves_no_room_above_the_reach(reaching: Coordinator) -> None:
     with pytest.raises(e.Invalid) as exc:
         reaching.register_sink(spec("short", timeout_ms=20_000), "t")
     assert exc.value.reason == "transaction_timeout_below_commit_reach"
-    assert "transaction_timeout_ms=20000" in exc.value.message and "30000 ms" in exc.value.message
+    assert "transaction_timeout_ms=20000" in exc.value.message and "32000 ms" in exc.value.message
 
 
 def test_the_api_answers_422_naming_the_numbers(reaching: Coordinator) -> None:
@@ -76,13 +77,13 @@ def test_the_api_answers_422_naming_the_numbers(reaching: Coordinator) -> None:
         admin = ProtocolClient(http, ADMIN)
         resp = admin.register_sink("api-low", "api-low", commit_margin_ms=6_000, expect=422)
     assert resp["error"]["reason"] == "commit_margin_below_commit_reach"
-    assert resp["error"]["detail"]["commit_reach_ms"] == 27_000 and resp["error"]["detail"]["commit_margin_ms"] == 6_000
+    assert resp["error"]["detail"]["commit_reach_ms"] == 29_000 and resp["error"]["detail"]["commit_margin_ms"] == 6_000
 
 
 def test_settings_under_which_no_sink_could_keep_i4_are_refused_at_startup() -> None:
     with pytest.raises(ValidationError) as exc:
         Settings(_env_file=None, broker_max_transaction_timeout_ms=20_000)
-    assert "no sink could keep I4" in str(exc.value) and "= 20000 ms" in str(exc.value)
+    assert "no sink could keep I4" in str(exc.value) and "= 22000 ms" in str(exc.value)
     with pytest.raises(ValidationError) as exc:
         Settings(_env_file=None, recovery_interval_ms=10_000, recovery_leader_ttl_ms=10_000)
     assert "must exceed COORDINATOR_RECOVERY_INTERVAL_MS=10000" in str(exc.value)

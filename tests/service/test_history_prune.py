@@ -17,15 +17,15 @@ from sqlalchemy import select, text
 from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane
 from coordinator.protocol import errors as e
 from coordinator.protocol.invariants import check_invariants
-from coordinator.protocol.model import PartitionResult, PrecommitRecord
+from coordinator.protocol.model import Lease, PartitionResult, PrecommitRecord
 from coordinator.protocol.rules import BeginAction
 from coordinator.protocol.states import CheckpointState
 from coordinator.service import Coordinator, SinkSpec
 from coordinator.service import recovery
 from coordinator.service.clock import ManualClock
 from coordinator.service.recovery import RecoveryLoop
-from coordinator.store import repo
-from coordinator.store.tables import attempts, checkpoints, events, lease_rows
+from coordinator.store import events as store_events
+from coordinator.store.tables import attempts, checkpoints, events, leases
 
 ACTOR = "test"
 HOUR = timedelta(hours=1)
@@ -36,19 +36,20 @@ def start(c: Coordinator, name: str) -> int:
     return c.start_generation(name, "q1", "r1", ACTOR)[0]
 
 
-def record(lease_id: int) -> PrecommitRecord:
-    return PrecommitRecord(2000 + lease_id % 1000, 0, 5, 50, 7, [["out", 0, 40]])
+def record(x: Lease) -> PrecommitRecord:
+    return PrecommitRecord(x.task_attempt_id, 2000 + x.id % 1000, 0, 5, 50, 7, [["out", 0, 40]])  # type: ignore[arg-type]
 
 
 def batch(c: Coordinator, name: str, batch_id: int, gen: int, *, partitions: int = 2, speculative: bool = False) -> None:
-    """One committed batch; with `speculative`, partition 0's first try loses to a copy (its abort
-    is a Kafka call, so the batch has a lease row to resolve)."""
-    first = c.begin_checkpoint(name, batch_id, gen, ACTOR, partitions=partitions,
-                               offsets_digest=f"sha256:{batch_id:04d}").pre_leases
-    results = [PartitionResult(x.partition, x.id, record(x.id)) for x in first]
+    """One committed batch, each partition's first try claiming its pre-lease; with `speculative`,
+    partition 0's first try loses to a copy (its abort is a Kafka call, so the batch has a lease
+    to resolve)."""
+    c.begin_checkpoint(name, batch_id, gen, ACTOR, partitions=partitions, offsets_digest=f"sha256:{batch_id:04d}")
+    first = [c.lease(name, batch_id, 1, gen, p, 10 + p).lease for p in range(partitions)]
+    results = [PartitionResult(x.partition, x.id, record(x)) for x in first]
     if speculative:
-        copy = c.begin_partition(name, batch_id, 1, gen, 0, 77)
-        results[0] = PartitionResult(0, copy.id, record(copy.id))
+        copy = c.lease(name, batch_id, 1, gen, 0, 77).lease
+        results[0] = PartitionResult(0, copy.id, record(copy))
     assert c.commit(name, batch_id, 1, gen, results, ACTOR).checkpoint.state is CheckpointState.COMMITTED
 
 
@@ -95,7 +96,7 @@ def test_old_batches_lose_their_bulky_history_and_every_begin_decides_as_before(
 
     pruned_ids = list(old.values())
     assert rows(c, attempts, attempts.c.checkpoint_id.in_(pruned_ids)) == []
-    assert rows(c, lease_rows, lease_rows.c.checkpoint_id.in_(pruned_ids)) == []
+    assert rows(c, leases, leases.c.checkpoint_id.in_(pruned_ids)) == []
     assert rows(c, events, events.c.checkpoint_id.in_(pruned_ids)) == []
     kept = rows(c, checkpoints, checkpoints.c.batch_id >= 5)
     assert [(r.batch_id, r.history_pruned_at) for r in sorted(kept)] == [(5, None), (6, None)]
@@ -109,12 +110,6 @@ def test_old_batches_lose_their_bulky_history_and_every_begin_decides_as_before(
     assert [(d["batches"], d["first_batch_id"], d["last_batch_id"]) for d in pruned_events] == [
         (2, 0, 1), (2, 2, 3), (1, 4, 4)]
 
-    # a replay of a pruned batch is skipped as committed; a re-plan over other offsets is refused
-    assert c.begin_checkpoint("orders", 1, gen, ACTOR, partitions=2,
-                              offsets_digest="sha256:0001").action is BeginAction.SKIP
-    with pytest.raises(e.Conflict) as refused:
-        c.begin_checkpoint("orders", 1, gen, ACTOR, partitions=2, offsets_digest="sha256:other")
-    assert refused.value.reason == e.OFFSETS_MISMATCH
     # an operator's resume of one answers that it is committed and its history pruned
     with pytest.raises(e.Conflict) as resumed:
         c.resume("orders", 3)
@@ -122,8 +117,16 @@ def test_old_batches_lose_their_bulky_history_and_every_begin_decides_as_before(
     detail = c.checkpoint_detail("orders", 3)
     assert (detail.checkpoint.state, detail.attempts, detail.leases) == (CheckpointState.COMMITTED, [], [])
     # the open batch goes on
-    pre = c.begin_checkpoint("orders", 6, gen, ACTOR, partitions=2).pre_leases
-    c.commit("orders", 6, 1, gen, [PartitionResult(x.partition, x.id, record(x.id)) for x in pre], ACTOR)
+    assert c.begin_checkpoint("orders", 6, gen, ACTOR, partitions=2).action is BeginAction.CONTINUE
+    tries = [c.lease("orders", 6, 1, gen, p, 60 + p).lease for p in range(2)]
+    c.commit("orders", 6, 1, gen, [PartitionResult(x.partition, x.id, record(x)) for x in tries], ACTOR)
+    # a re-plan of a pruned batch over other offsets is refused; its replay is skipped as committed
+    with pytest.raises(e.Conflict) as refused:
+        c.begin_checkpoint("orders", 1, gen, ACTOR, partitions=2, offsets_digest="sha256:other")
+    assert refused.value.reason == e.OFFSETS_MISMATCH
+    replay = c.begin_checkpoint("orders", 1, gen, ACTOR, partitions=2, offsets_digest="sha256:0001")
+    assert replay.action is BeginAction.SKIP and replay.checkpoint.history_pruned_at is not None
+    assert replay.pre_leased == 0
     assert_invariants(c)
 
 
@@ -193,7 +196,7 @@ def test_a_replay_that_meets_a_prune_in_flight_waits_for_it_and_a_new_batch_does
     c = coordinator
     gen = old_batches(c, clock, 3)
     inside, release = threading.Event(), threading.Event()
-    real_add_event = repo.add_event
+    real_add_event = store_events.add
 
     def add_event_then_hold(conn: Any, sink_id: int, kind: str, *args: Any, **kw: Any) -> None:
         real_add_event(conn, sink_id, kind, *args, **kw)
@@ -201,7 +204,7 @@ def test_a_replay_that_meets_a_prune_in_flight_waits_for_it_and_a_new_batch_does
             inside.set()
             release.wait(30)
 
-    monkeypatch.setattr(repo, "add_event", add_event_then_hold)
+    monkeypatch.setattr(store_events, "add", add_event_then_hold)
     with ThreadPoolExecutor(2) as pool:
         pruning = pool.submit(c.prune_history, 2 * HOUR, ACTOR)
         assert inside.wait(30)
@@ -217,18 +220,17 @@ def test_a_replay_that_meets_a_prune_in_flight_waits_for_it_and_a_new_batch_does
 
 
 def test_a_batch_an_id_still_names_is_kept(coordinator: Coordinator, clock: ManualClock) -> None:
-    """The safety net behind the unresolved-lease checks: while the pool says an id is held by one
-    of a batch's leases (a first try on its attempt row, or a lease row), the batch is kept."""
+    """The safety net behind the unresolved-lease checks: while one of a batch's leases still holds
+    its id (resolved_at NULL: its transaction may be open), the batch is kept."""
     c = coordinator
-    old_batches(c, clock, 3, speculative=1)  # batch 1's copy is a lease row
-    first_try = next(x.id for x in c.checkpoint_detail("orders", 0).leases)
-    lease_row = next(x.id for x in c.checkpoint_detail("orders", 1).leases if x.task_attempt_id == 77)
+    old_batches(c, clock, 3, speculative=1)  # batch 1's speculative copy won; its first try lost
+    first_try = next(x.id for x in c.checkpoint_detail("orders", 0).leases if x.partition == 1)
+    lost_try = next(x.id for x in c.checkpoint_detail("orders", 1).leases if x.state.value == "ABORTED")
     with c.engine.begin() as conn:
-        for lease_id in (first_try, lease_row):
-            conn.execute(text("UPDATE transactional_ids SET state = 'LEASED', lease_id = :l WHERE id = "
-                              "(SELECT min(id) FROM transactional_ids WHERE state = 'FREE')"), {"l": lease_id})
+        conn.execute(text("UPDATE leases SET state = 'ABORTING', resolved_at = NULL WHERE id IN (:a, :b)"),
+                     {"a": first_try, "b": lost_try})
     assert c.prune_history(2 * HOUR, ACTOR, dry_run=True).candidates == 0
     with c.engine.begin() as conn:
-        conn.execute(text("UPDATE transactional_ids SET state = 'FREE', lease_id = NULL WHERE lease_id = :l"),
-                     {"l": first_try})
+        conn.execute(text("UPDATE leases SET state = 'ABORTED', resolved_at = now() WHERE id = :a"), {"a": first_try})
     assert c.prune_history(2 * HOUR, ACTOR).by_sink == {"orders": 1}  # batch 0; batch 1 stays
+    assert c.checkpoint_detail("orders", 1).leases != []

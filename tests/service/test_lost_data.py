@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
-from fixtures.servers import ProtocolClient
 
 from coordinator.http.api import create_app
 from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane, TransactionOutcome
@@ -25,15 +24,12 @@ from coordinator.protocol import rules
 from coordinator.protocol.invariants import check_invariants, check_unchanged
 from coordinator.protocol.model import Lease
 from coordinator.protocol.model import PartitionResult as PR
-from coordinator.protocol.rules import BeginAction, PrecommitRequest
-from coordinator.protocol.states import (
-    AttemptState,
-    CheckpointState,
-    LeaseState,
-    TransactionalIdState,
-)
+from coordinator.protocol.rules import BeginAction
+from coordinator.protocol.states import AttemptState, CheckpointState, LeaseState
 from coordinator.service import Coordinator, SinkSpec
-from coordinator.store.db import downgrade
+from coordinator.service.clock import ManualClock
+from fixtures.protocol_calls import held, quarantined, won
+from fixtures.servers import ProtocolClient, Winner
 
 NAME = "payments"
 PREFIX = "payments-eos"
@@ -57,25 +53,20 @@ def start(c: Coordinator, name: str = NAME, prefix: str = PREFIX) -> int:
 
 
 def write_batch(c: Coordinator, gen: int, batch: int, partitions: int, name: str = NAME) -> tuple[int, list[Lease]]:
-    begun = c.begin_checkpoint(name, batch, gen, ACTOR)
+    """Begin the batch and have each partition's first try claim its pre-lease (and write)."""
+    begun = c.begin_checkpoint(name, batch, gen, ACTOR, partitions=partitions)
     assert begun.action is BeginAction.NEW_ATTEMPT and begun.attempt is not None
-    winners = []
-    for p in range(partitions):
-        x = c.begin_partition(name, batch, begun.attempt.number, gen, p, 100 + p)
-        winners.append(c.precommit(name, x.id, gen, PrecommitRequest(5000 + x.id, 3, 10, 1000)))
+    winners = [c.lease(name, batch, begun.attempt.number, gen, p, 100 + p).lease for p in range(partitions)]
     return begun.attempt.number, winners
 
 
-def results(winners: list[Lease]) -> list[PR]:
-    return [PR(w.partition, w.id) for w in winners]
+def results(winners: list[Lease], first_offsets: dict[int, list[list[Any]]] | None = None) -> list[PR]:
+    """Each winner with the record its try reported (producer 1000 + lease id, epoch 3, 10 records)."""
+    return [won(w, epoch=3, first_offsets=(first_offsets or {}).get(w.id)) for w in winners]
 
 
 def leases_by_id(c: Coordinator) -> dict[int, Lease]:
     return {x.id: x for x in c.snapshot().leases}
-
-
-def pool(c: Coordinator) -> dict[str, TransactionalIdState]:
-    return {t.transactional_id: t.state for t in c.snapshot().transactional_ids}
 
 
 def events(c: Coordinator, kind: str, name: str = NAME) -> list[dict[str, Any]]:
@@ -124,9 +115,9 @@ def test_refused_commit_is_lost_loudly_and_halts_the_sink(coordinator: Coordinat
     now = leases_by_id(c)
     assert now[refused_w.id].state is LeaseState.LOST and now[refused_w.id].resolved_at is not None
     assert now[other.id].state is LeaseState.COMMITTED  # the other partition's data is delivered
-    # the refused id was fenced on Kafka before it became free again (I3)
+    # the refused id was fenced on Kafka before it was freed (I3), and is quarantined after the fence
     assert (NAME, refused_w.transactional_id) in kafka.aborts
-    assert pool(c)[refused_w.transactional_id] is TransactionalIdState.FREE
+    assert refused_w.transactional_id not in held(c, NAME) and refused_w.ordinal in quarantined(c)
     sink = c.get_sink(NAME)
     assert sink.halted and sink.halted_reason == cp.lost_reason
     (alert,) = events(c, "data_lost")
@@ -142,7 +133,7 @@ def test_refused_commit_is_lost_loudly_and_halts_the_sink(coordinator: Coordinat
     refused(c, kafka, lambda: c.commit(NAME, 0, attempt, gen, results(winners), ACTOR), e.DATA_LOST)
     refused(c, kafka, lambda: c.resume(NAME, 0), e.DATA_LOST)
     # the sink refuses every batch until an operator acknowledges
-    halted = refused(c, kafka, lambda: c.begin_checkpoint(NAME, 1, gen, ACTOR), e.SINK_HALTED_LOST_DATA)
+    halted = refused(c, kafka, lambda: c.begin_checkpoint(NAME, 1, gen, ACTOR, partitions=2), e.SINK_HALTED_LOST_DATA)
     assert f"/v1/sinks/{NAME}/lost-data/acknowledge" in halted.message and "producer_fenced" in halted.message
     refused(c, kafka, lambda: c.begin_checkpoint(NAME, 0, gen, ACTOR), e.SINK_HALTED_LOST_DATA)
     assert metric("coordinator_checkpoints_lost_total") == lost_before + 1  # counted once
@@ -159,7 +150,7 @@ def test_refused_commit_is_lost_loudly_and_halts_the_sink(coordinator: Coordinat
     assert before == c.snapshot() and len(events(c, "lost_data_acknowledged")) == 1
 
     # the lost batch is skipped on replay (rewriting it would duplicate the committed partition)
-    replay = c.begin_checkpoint(NAME, 0, gen, ACTOR)
+    replay = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=2)
     assert replay.action is BeginAction.SKIP and replay.checkpoint.state is CheckpointState.LOST
     next_attempt, next_winners = write_batch(c, gen, 1, 2)
     done = c.commit(NAME, 1, next_attempt, gen, results(next_winners), ACTOR)
@@ -168,46 +159,52 @@ def test_refused_commit_is_lost_loudly_and_halts_the_sink(coordinator: Coordinat
 
 
 def test_a_retired_sinks_halt_and_other_last_seen_gauges_are_dropped(
-    coordinator: Coordinator, kafka: RecordingControlPlane
+    coordinator: Coordinator, kafka: RecordingControlPlane, clock: ManualClock
 ) -> None:
-    """A halted sink may be retired (nothing of it is open): the halt gauge, which the process
-    and the recovery leader keep as they last saw it, must not stay 1 for a sink that is gone."""
+    """A halted sink may be retired (nothing of it is open): its halt gauge, read from the
+    database at scrape time, goes with it; the last-seen gauges a process keeps (near-timeout,
+    LSO lag) are dropped by the process that retires it, and by the recovery leader at its next
+    pass when another replica retired it."""
     from sqlalchemy import update
 
+    from coordinator.service import metrics
     from coordinator.service.metrics import DatabaseCollector
     from coordinator.service.recovery import RecoveryLoop
     from coordinator.store.tables import sinks
 
     c = coordinator
     gen = start(c)
-    for other in ("other", "gone"):
-        start(c, other, f"{other}-eos")
+    other = start(c, "gone", "gone-eos")
     attempt, winners = write_batch(c, gen, 0, 1)
     kafka.fail_next(FENCED)
     with pytest.raises(e.Conflict):
         c.commit(NAME, 0, attempt, gen, results(winners), ACTOR)
+    c.begin_checkpoint("gone", 0, other, ACTOR, partitions=1)
+    c.lease("gone", 0, 1, other, 0, 7)
+
+    def halted_in_database() -> dict[str, float]:
+        return {s.labels["sink"]: s.value for m in DatabaseCollector(c.engine, ttl_s=0).collect()
+                if m.name == "coordinator_sink_halted" for s in m.samples}
+
+    def near_timeout_gauged() -> set[str]:
+        return {s.labels["sink"] for m in REGISTRY.collect() if m.name == "coordinator_transactions_near_timeout"
+                for s in m.samples}
+
+    assert halted_in_database() == {NAME: 1, "gone": 0}
+    metrics.TRANSACTIONS_NEAR_TIMEOUT.labels(NAME).set(1)  # as this process last saw it
     loop = RecoveryLoop(c, interval_ms=50, leader_ttl_ms=10_000)
     try:
+        clock.advance(ms=50_000)  # gone's try is past 80 % of its transaction's lifetime
         assert loop.run_once().leader
-        assert metric("coordinator_sink_halted") == 1 and REGISTRY.get_sample_value(
-            "coordinator_sink_halted", {"sink": "other"}) == 0
-
-        def gauged() -> set[str]:
-            return {s.labels["sink"] for m in REGISTRY.collect() if m.name in (
-                "coordinator_sink_halted", "coordinator_transactions_near_timeout") for s in m.samples}
-
-        def in_database_gauges() -> set[str]:
-            return {s.labels["sink"] for m in DatabaseCollector(c.engine).collect() for s in m.samples if s.labels}
-
-        assert {NAME, "other", "gone"} <= gauged() and {NAME, "other", "gone"} <= in_database_gauges()
+        assert {NAME, "gone"} <= near_timeout_gauged()
         c.retire_sink(NAME, "admin", "replaced")  # retired here: this process drops its gauges at once
-        assert NAME not in gauged() and "other" in gauged()
+        assert NAME not in near_timeout_gauged() and NAME not in halted_in_database()
+        c.abort_attempt("gone", 0, 1, other, "stop", ACTOR)
         with c.engine.begin() as conn:  # retired by another replica: the leader drops them at its next pass
             conn.execute(update(sinks).where(sinks.c.name == "gone").values(retired_at=c.clock.now()))
-        assert "gone" in gauged()
+        assert halted_in_database() == {}
         loop.run_once()
-        assert gauged() & {NAME, "gone"} == set() and "other" in gauged()
-        assert in_database_gauges() & {NAME, "gone"} == set() and "other" in in_database_gauges()
+        assert near_timeout_gauged() & {NAME, "gone"} == set()
     finally:
         loop.stop()
 
@@ -220,20 +217,20 @@ def test_retriable_failures_stay_committing_until_a_later_refusal_loses_the_batc
     attempt, (winner,) = write_batch(c, gen, 0, 1)
     kafka.fail_next(UNREACHABLE)
     with pytest.raises(e.Unavailable) as exc:
-        c.commit(NAME, 0, attempt, gen, [PR(0, winner.id)], ACTOR)
+        c.commit(NAME, 0, attempt, gen, results([winner]), ACTOR)
     assert exc.value.reason == "kafka_commit_failed"
     assert c.snapshot().checkpoints[0].state is CheckpointState.COMMITTING
     assert not c.get_sink(NAME).halted and events(c, "data_lost") == []
 
     # the resume is refused for good (say the broker aborted it at its timeout meanwhile); the
-    # abort of the refused id fails too: the id stays LEASED (never re-leased) until it is done
+    # fence of the refused id fails too: the id stays held (never re-leased) until it is done
     kafka.fail_next(ControlPlaneError("INVALID_PRODUCER_EPOCH", retriable=False, code="invalid_producer_epoch"))
-    kafka.fail_next(UNREACHABLE, times=2)  # the fence right after the refusal, and resume's second try
+    kafka.fail_next(UNREACHABLE)  # the fence right after the refusal
     with pytest.raises(e.Conflict) as lost:
         c.resume(NAME, 0)
     assert lost.value.reason == e.DATA_LOST and "invalid_producer_epoch" in lost.value.message
     assert leases_by_id(c)[winner.id].state is LeaseState.LOST_ABORTING
-    assert pool(c)[winner.transactional_id] is TransactionalIdState.LEASED
+    assert held(c, NAME) == [winner.transactional_id]
     assert c.snapshot().checkpoints[0].state is CheckpointState.LOST and c.get_sink(NAME).halted
     assert_invariants(c, settled=False)
     violations = [str(v) for v in check_invariants(c.snapshot(), settled=True)]
@@ -241,15 +238,13 @@ def test_retriable_failures_stay_committing_until_a_later_refusal_loses_the_batc
 
     # the id is not handed out while it may hold a transaction: a new lease gets another one
     c.acknowledge_lost_data(NAME, "admin", "accepted")
-    nxt = c.begin_checkpoint(NAME, 1, gen, ACTOR)
-    assert nxt.attempt is not None
-    fresh = c.begin_partition(NAME, 1, nxt.attempt.number, gen, 0, 7)
+    nxt_attempt, (fresh,) = write_batch(c, gen, 1, 1)
     assert fresh.transactional_id != winner.transactional_id
 
     out = c.run_pending_aborts(NAME)
     assert out.aborted == [winner.transactional_id] and out.pending == []
     assert leases_by_id(c)[winner.id].state is LeaseState.LOST
-    assert pool(c)[winner.transactional_id] is TransactionalIdState.FREE
+    assert winner.transactional_id not in held(c, NAME) and winner.ordinal in quarantined(c)
     assert_invariants(c, settled=False)
 
 
@@ -279,7 +274,7 @@ def test_one_refused_winner_does_not_stop_the_others(coordinator: Coordinator, k
     assert_invariants(c)
 
 
-# --- which refusals end a commit (issue 15 item 4) ------------------------------------------
+# --- which refusals end a commit -------------------------------------------------------------
 
 
 def test_only_refusals_that_mean_the_transaction_is_gone_are_final() -> None:
@@ -332,30 +327,20 @@ def test_every_transaction_gone_code_ends_the_commit(coordinator: Coordinator, k
     assert "NOT verified in the partition log" in exc.value.message
 
 
-# --- "LOST only when true": the partition log decides (issue 15 item 5) ----------------------
-
-
-@pytest.fixture
-def first_offsets(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[tuple[str, int, int]]]:
-    """Stand-in for the first offsets the executor reports with its pre-commit (the pre-commit
-    route that stores them lands with the protocol change): per transactional id."""
-    known: dict[str, list[tuple[str, int, int]]] = {}
-    monkeypatch.setattr("coordinator.service.base._first_offsets", lambda lease: known.get(lease.transactional_id, []))
-    return known
+# --- "LOST only when true": the partition log decides ------------------------------------------
 
 
 def test_a_refused_commit_that_the_log_shows_committed_is_committed_after_all(
-    coordinator: Coordinator, kafka: RecordingControlPlane, first_offsets: dict[str, list[tuple[str, int, int]]]
+    coordinator: Coordinator, kafka: RecordingControlPlane
 ) -> None:
     # the EndTxn was applied, its answer lost, the id initialised again: the retry is fenced
     c = coordinator
     gen = start(c)
     attempt, (winner,) = write_batch(c, gen, 0, 1)
-    first_offsets[winner.transactional_id] = [("out", 0, 17), ("out", 2, 4)]
     kafka.outcomes[winner.transactional_id] = TransactionOutcome.COMMITTED
     kafka.fail_next(FENCED)
 
-    done = c.commit(NAME, 0, attempt, gen, results([winner]), ACTOR)
+    done = c.commit(NAME, 0, attempt, gen, results([winner], {winner.id: [["out", 0, 17], ["out", 2, 4]]}), ACTOR)
     assert done.checkpoint.state is CheckpointState.COMMITTED
     assert kafka.outcome_reads == [(winner.transactional_id, (("out", 0, 17), ("out", 2, 4)))]
     assert leases_by_id(c)[winner.id].state is LeaseState.COMMITTED
@@ -369,15 +354,14 @@ def test_a_refused_commit_that_the_log_shows_committed_is_committed_after_all(
 
 
 def test_a_refused_commit_is_lost_when_the_log_shows_it_aborted_and_waits_while_it_cannot_tell(
-    coordinator: Coordinator, kafka: RecordingControlPlane, first_offsets: dict[str, list[tuple[str, int, int]]]
+    coordinator: Coordinator, kafka: RecordingControlPlane
 ) -> None:
     c = coordinator
     gen = start(c)
     attempt, (winner,) = write_batch(c, gen, 0, 1)
-    first_offsets[winner.transactional_id] = [("out", 1, 3)]
     kafka.fail_next(FENCED)  # the log cannot tell yet (the abort markers are still being written)
     with pytest.raises(e.Unavailable):
-        c.commit(NAME, 0, attempt, gen, results([winner]), ACTOR)
+        c.commit(NAME, 0, attempt, gen, results([winner], {winner.id: [["out", 1, 3]]}), ACTOR)
     assert c.snapshot().checkpoints[0].state is CheckpointState.COMMITTING and not c.get_sink(NAME).halted
 
     kafka.outcomes[winner.transactional_id] = TransactionOutcome.ABORTED
@@ -422,21 +406,6 @@ def test_invariant_checker_catches_silent_loss(coordinator: Coordinator, kafka: 
     assert any(v.invariant == "I2" and "were lost" in v.message for v in check_invariants(committed))
 
 
-def test_downgrade_below_0002_refuses_lost_rows(
-    coordinator: Coordinator, kafka: RecordingControlPlane, database_url: str
-) -> None:
-    c = coordinator
-    gen = start(c)
-    attempt, winners = write_batch(c, gen, 0, 1)
-    kafka.fail_next(FENCED)
-    with pytest.raises(e.Conflict):
-        c.commit(NAME, 0, attempt, gen, results(winners), ACTOR)
-    c.engine.dispose()
-    with pytest.raises(RuntimeError, match="LOST state"):
-        downgrade(database_url, "0001")
-    assert c.snapshot().checkpoints[0].state is CheckpointState.LOST  # nothing was changed
-
-
 # --- over HTTP -------------------------------------------------------------------------------
 
 
@@ -458,13 +427,12 @@ def test_halt_and_acknowledge_over_http(admin: ProtocolClient, kafka: RecordingC
     writer = admin.with_token(admin.register_sink(NAME, PREFIX, expect=201)["writer_token"])
     assert writer.request("GET", f"/v1/sinks/{NAME}")["halted"] is False
     gen = writer.start_generation(NAME, "query-1", "run-1")["generation"]
-    attempt = writer.begin(NAME, 0, gen)["attempt"]
+    attempt = writer.begin(NAME, 0, gen, partitions=1)["attempt"]
     lease = writer.lease(NAME, 0, attempt, gen, 0, 11)
-    writer.precommit(NAME, lease["lease_id"], gen, producer_id=777, producer_epoch=2)
     before = metric_text(admin, "coordinator_checkpoints_lost_total")
 
     kafka.fail_next(ControlPlaneError("transaction timed out", retriable=False, code="producer_fenced"))
-    resp = writer.commit(NAME, 0, attempt, gen, {0: lease["lease_id"]}, expect=409)
+    resp = writer.commit(NAME, 0, attempt, gen, {0: Winner.of(lease, 777, producer_epoch=2)}, expect=409)
     assert resp["error"]["reason"] == "data_lost" and resp["error"]["detail"]["batch_id"] == 0
 
     assert metric_text(admin, "coordinator_checkpoints_lost_total") == before + 1

@@ -291,6 +291,30 @@ def test_a_commit_naming_bad_winners_is_refused_and_changes_nothing(
     assert_invariants(c, settled=True)
 
 
+def test_commits_of_fenced_superseded_or_decided_attempts_change_nothing(
+        coordinator: Coordinator, kafka: RecordingControlPlane):
+    c = coordinator
+    g1 = start(c)
+    c.begin_checkpoint(NAME, 0, g1, ACTOR, partitions=2)
+    old = claimed(c, 0, 1, g1, 2)
+    g2, _ = c.start_generation(NAME, "q1", "r2", ACTOR)  # the driver restarted
+    c.begin_checkpoint(NAME, 0, g2, ACTOR, partitions=2)
+    new = claimed(c, 0, 2, g2, 2, first_task=200)
+    # the zombie driver (generation 1), for its own attempt and for the new one
+    refused(c, kafka, lambda: c.commit(NAME, 0, 1, g1, [won(x) for x in old], ACTOR), e.STALE_GENERATION)
+    refused(c, kafka, lambda: c.commit(NAME, 0, 2, g1, [won(x) for x in new], ACTOR), e.STALE_GENERATION)
+    refused(c, kafka, lambda: c.commit(NAME, 0, 2, g2 + 1, [won(x) for x in new], ACTOR), e.UNKNOWN_GENERATION)
+    # the current generation naming the attempt its restart superseded
+    refused(c, kafka, lambda: c.commit(NAME, 0, 1, g2, [won(x) for x in old], ACTOR), e.STALE_ATTEMPT)
+    result = c.commit(NAME, 0, 2, g2, [won(x) for x in new], ACTOR)
+    assert result.checkpoint.state is CheckpointState.COMMITTED
+    # decided: nothing more for any attempt of the batch, and a retry must name the same winners
+    refused(c, kafka, lambda: c.commit(NAME, 0, 1, g2, [won(x) for x in old], ACTOR), e.COMMIT_DECIDED)
+    refused(c, kafka, lambda: c.commit(NAME, 0, 2, g2, [won(new[0]), empty(1)], ACTOR), e.WINNER_MISMATCH)
+    assert CommitOut.of(c.commit(NAME, 0, 2, g2, [won(x) for x in new], ACTOR)) == CommitOut.of(result)
+    assert_invariants(c, settled=True)
+
+
 def test_unknown_checkpoint_and_attempt_are_404(coordinator: Coordinator, kafka: RecordingControlPlane):
     c = coordinator
     gen = start(c)

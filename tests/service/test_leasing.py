@@ -6,8 +6,12 @@ calls of fenced, stale or ended attempts change nothing (I5)."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane
 from coordinator.protocol import errors as e
+from coordinator.protocol.model import Lease
 from coordinator.protocol.states import LeaseState
 from coordinator.service import Coordinator
 from coordinator.service.clock import ManualClock
@@ -82,6 +86,33 @@ def test_task_attempt_ids_are_whatever_spark_gives(coordinator: Coordinator):
     big = c.lease(NAME, 0, 1, gen, 0, 2**62).lease
     zero = c.lease(NAME, 0, 1, gen, 0, 0).lease
     assert big.task_attempt_id == 2**62 and zero.task_attempt_id == 0 and big.id != zero.id
+
+
+def test_tries_asking_at_once_never_share_an_id(coordinator: Coordinator):
+    """Eight tries of one partition ask at once (a stage retry and speculative copies): exactly one
+    claims the pre-lease, each of the others gets an id of its own; eight copies of one try's
+    request (client retries) all get its one lease, with a pre-lease to claim or without."""
+    c = coordinator
+    gen = start(c)
+    c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=2)
+    (pre,) = [x for x in c.checkpoint_detail(NAME, 0).leases if x.partition == 0]
+    barrier = threading.Barrier(8)
+
+    def ask(batch: int, partition: int, task: int) -> Lease:
+        barrier.wait(10)
+        return c.lease(NAME, batch, 1, gen, partition, task).lease
+
+    with ThreadPoolExecutor(8) as pool:
+        tries = list(pool.map(lambda t: ask(0, 0, t), range(1_000, 1_008)))
+        copies = list(pool.map(lambda _: ask(0, 1, 77), range(8)))
+        c.begin_checkpoint(NAME, 1, gen, ACTOR)  # no pre-leases: each try's id is granted
+        granted = list(pool.map(lambda _: ask(1, 0, 88), range(8)))
+    assert len({x.transactional_id for x in tries}) == 8 and len({x.id for x in tries}) == 8
+    assert sum(x.id == pre.id for x in tries) == 1
+    assert len({x.id for x in copies}) == 1 and copies[0].task_attempt_id == 77
+    assert len([x for x in c.checkpoint_detail(NAME, 0).leases if x.partition == 1]) == 1  # the pre-lease, claimed
+    assert len({x.id for x in granted}) == 1 and len(c.checkpoint_detail(NAME, 1).leases) == 1
+    assert_invariants(c)
 
 
 # --- the id pool -----------------------------------------------------------------------------

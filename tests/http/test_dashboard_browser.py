@@ -91,7 +91,7 @@ def test_dashboard_in_a_browser(browser: Any, services: dict[str, ServiceProcess
     quiet = {"COORDINATOR_RECOVERY_ENABLED": "false"}
     # the sinks are registered through this process: Kafka and recovery timings small enough that
     # the inventory sink's 500 ms commit margin exceeds the commit reach (configuration.CommitReach:
-    # TTL 150 + 2 x interval 10 + retry budget 100 + request timeout 100 = 370 ms)
+    # 370 ms with these)
     short = {"COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS": "100", "COORDINATOR_KAFKA_RETRY_BUDGET_MS": "100",
              "COORDINATOR_RECOVERY_INTERVAL_MS": "10", "COORDINATOR_RECOVERY_LEADER_TTL_MS": "150"}
     dash = services["dash"] = ServiceProcess(

@@ -61,9 +61,9 @@ def value(samples: dict, name: str, **labels: str) -> float:
 @pytest.fixture
 def service(database_url: str, tmp_path: Path) -> Iterator[ServiceProcess]:
     svc = ServiceProcess(database_url, ADMIN, tmp_path, env={
-        # a long interval, and Kafka timeouts short enough that the commit reach (ttl + 2 intervals
-        # + retry budget + request timeout: 33 s) leaves a 60 s sink room for its batches
-        # (configuration.CommitReach: registration refuses sinks otherwise)
+        # a long interval, and Kafka timeouts short enough that the commit reach (33 s with these)
+        # leaves a 60 s sink room for its batches (configuration.CommitReach: registration refuses
+        # sinks otherwise)
         "COORDINATOR_RECOVERY_INTERVAL_MS": "10000", "COORDINATOR_RECOVERY_LEADER_TTL_MS": "11000",
         "COORDINATOR_KAFKA_REQUEST_TIMEOUT_MS": "1000", "COORDINATOR_KAFKA_RETRY_BUDGET_MS": "1000",
     })

@@ -437,12 +437,20 @@ def test_a_database_that_does_not_answer_is_503(tmp_path: Path) -> None:
 
 
 def test_no_such_sink_and_not_your_sink_answer_alike(world: World) -> None:
+    """Nor a retired one (issue 50 §4; every route: tests/http/test_api_auth.py)."""
     w = world
+    retired = w.call("POST", "/v1/sinks", {"name": "retired-one", "transactional_id_prefix": "retired-tx",
+                                           "bootstrap_servers": "k:9", "check_broker": False}, token=ADMIN)
+    assert retired.status_code == 201, retired.text
+    assert w.call("POST", "/v1/sinks/retired-one/retire", {"reason": "gone"}, token=ADMIN).status_code == 200
     for token in (w.other_writer, "wt_forged-token"):
         unknown = w.call("GET", "/v1/sinks/no-such-sink/checkpoints", token=token)
         foreign = w.call("GET", f"/v1/sinks/{SINK}/checkpoints", token=token)
-        assert unknown.status_code == foreign.status_code == 403
-        assert unknown.json() == foreign.json(), (unknown.text, foreign.text)
+        gone = w.call("GET", "/v1/sinks/retired-one/checkpoints", token=token)
+        assert unknown.status_code == foreign.status_code == gone.status_code == 403
+        assert unknown.json() == foreign.json() == gone.json(), (unknown.text, foreign.text, gone.text)
+    own = w.call("GET", "/v1/sinks/retired-one/checkpoints", token=retired.json()["writer_token"])
+    assert own.status_code == 409 and own.json()["error"]["reason"] == "sink_retired", own.text
     unknown = w.http.post("/v1/sinks/no-such-sink/checkpoints/0/begin", json={"generation": 1})
     foreign = w.http.post(f"/v1/sinks/{SINK}/checkpoints/0/begin", json={"generation": 1})
     assert unknown.status_code == foreign.status_code == 401 and unknown.json() == foreign.json()

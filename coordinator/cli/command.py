@@ -92,7 +92,6 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..http.server_protocol import OneWritePerTurnProtocol
     from ..store.db import migrate
 
     # uvicorn re-raises SIGTERM after its graceful shutdown. With the default action the process
@@ -137,7 +136,7 @@ def serve(args: argparse.Namespace) -> int:
         # uvicorn shares between --workers, and a response's second write then waits ~40 ms for
         # the client's delayed ACK (tests/test_serve_keepalive.py)
         loop="uvloop",
-        http=OneWritePerTurnProtocol,  # httptools, a response's head and body in one write
+        http="httptools",
         # a line per request at info costs each call; requests are counted and timed in /metrics
         # (coordinator_http_request_duration_seconds), so the access log comes only with debug
         access_log=settings.log_level == "debug",

@@ -377,11 +377,8 @@ class InputRoute(APIRoute):
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, endpoint, **kwargs)
-        added: tuple[int, ...] = ()
-        if self.body_field is not None:
-            added = (413, 415, 422)
-        elif self.dependant.path_params or self.dependant.query_params:
-            added = (422,)
+        # every route checks its URL (422 invalid_url_encoding); a route with a body its body too
+        added: tuple[int, ...] = (413, 415, 422) if self.body_field is not None else (422,)
         # a route may describe a status itself; the rest get the generic meaning (and FastAPI's
         # serialisation field for their model, as it makes for the responses it was given)
         for status, response in error_responses(*added).items():

@@ -16,6 +16,7 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 MAX_PREFIX_LENGTH = 200
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 MAX_NAME_LENGTH = 100
+MAX_ORDINAL = 2**31 - 1  # a pool ordinal is a Postgres integer
 
 
 # --- sinks and transactional ids -------------------------------------------------------------
@@ -196,4 +197,6 @@ def ordinal_of(prefix: str, transactional_id: str) -> int | None:
     """The pool ordinal a transactional id of this sink names, or None if it is no id of its pool."""
     stem = transactional_id_stem(prefix)
     rest = transactional_id[len(stem):] if transactional_id.startswith(stem) else ""
-    return int(rest) if rest.isdigit() and rest == str(int(rest)) else None
+    if not (rest.isascii() and rest.isdigit()) or rest != str(int(rest)) or int(rest) > MAX_ORDINAL:
+        return None
+    return int(rest)

@@ -264,16 +264,15 @@ def plan_commit(attempt_leases: Iterable[Lease], results: Sequence[PartitionResu
                              lease_id=lease.id)
         if winner_expired(lease, now, margin_ms):  # the recovery loop aborted it: the gate refuses it as well
             check_commit_deadlines([lease], now, margin_ms)
-        if lease.state is not LeaseState.LEASED or result.precommit is None:
+        if result.precommit is None or lease.state not in (LeaseState.LEASED, LeaseState.PRELEASED):
             raise e.Conflict(
                 e.WINNER_NOT_PRECOMMITTED,
                 f"lease {lease.id} of partition {lease.partition} is {lease.state}"
-                + (", and the commit carries no pre-commit record for it" if result.precommit is None else
-                   ", not held by a task try"),
+                + (", and the commit carries no pre-commit record for it" if result.precommit is None else ""),
                 lease_id=lease.id,
                 lease_state=str(lease.state),
             )
-        if result.precommit.task_attempt_id != lease.task_attempt_id:
+        if result.precommit.task_attempt_id != lease.task_attempt_id:  # a pre-lease no try claimed too
             raise e.Conflict(
                 e.LEASE_NOT_CLAIMED,
                 f"the record for lease {lease.id} of partition {lease.partition} comes from task try "

@@ -89,6 +89,9 @@ _TABLES = {
 # Leases whose transactional id may still hold an unresolved transaction on the broker: the id is
 # not free (I3). The store keeps `resolved_at` NULL exactly for these.
 UNRESOLVED_LEASE_STATES = frozenset(s for s in LeaseState if LEASE_TRANSITIONS[s])
+# Leases a task try holds whose transaction may be open on the broker (a pre-lease no try claimed
+# holds its id, but no producer ever used it)
+MAY_HOLD_TRANSACTION = UNRESOLVED_LEASE_STATES - {LeaseState.PRELEASED}
 # Leases whose transaction must still be aborted on Kafka, and the state each ends in after it.
 ABORT_PENDING_STATES: dict[LeaseState, LeaseState] = {
     LeaseState.ABORTING: LeaseState.ABORTED,

@@ -93,9 +93,11 @@ def _begin(ctx: ServiceContext, conn: Connection, name: str, batch_id: int, gene
         return _Begun(sink, BeginAction.SKIP, cp, None, refusal=refusal)
     if cp.offsets_digest is None and digest is not None:
         batches.bind_digest(conn, cp.id, digest)
-    latest = batches.latest_attempt(conn, cp)
+    latest = batches.latest_attempt(conn, cp) if cp.history_pruned_at is None else None  # pruned: no attempts
     action = rules.decide_begin(cp.state, latest, generation)
     begun = _Begun(sink, action, cp, latest)
+    if action is BeginAction.CONTINUE and latest is not None:
+        begun.pre_leased = latest.partitions or 0  # the count its first begin took ids for
     if action is BeginAction.NEW_ATTEMPT:
         # one micro-batch in flight per query: every other open attempt of the sink is dead
         begun.to_abort = end_attempts(conn, sink, batches.open_attempts(conn, sink.id), "superseded", now,
@@ -108,7 +110,7 @@ def _begin(ctx: ServiceContext, conn: Connection, name: str, batch_id: int, gene
                          new=[leases.NewLease(ordinal, tid, partition, None) for partition, (ordinal, tid)
                               in enumerate(taken)],
                          now=now, deadline_at=rules.transaction_deadline(now, sink.transaction_timeout_ms))
-            begun.pre_leased = partitions
+        begun.pre_leased = partitions or 0
     begun.unfinished = [c.id for c in batches.decided_checkpoints(conn, sink.id)
                         if c.state is CheckpointState.COMMITTING and c.id != cp.id]
     begun.older = _older(conn, begun)

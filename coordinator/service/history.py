@@ -51,9 +51,10 @@ def prune_history(ctx: ServiceContext, older_than: timedelta, actor: str, *, sin
     (every sink's, or `sink`'s), in one transaction. Call again while `more`."""
     youngest = timedelta(milliseconds=ctx.limits.history_min_retention_ms)
     if older_than < youngest:
-        raise e.Invalid("invalid_prune", f"history younger than {youngest} is kept; older_than was {older_than}")
+        raise e.Invalid("invalid_prune", f"history younger than {youngest} is kept; older_than_s was "
+                        f"{int(older_than.total_seconds())} ({older_than})", field="older_than_s")
     if not 1 <= limit <= MAX_CHUNK:
-        raise e.Invalid("invalid_prune", f"limit must be 1..{MAX_CHUNK} batches per call, got {limit}")
+        raise e.Invalid("invalid_prune", f"limit must be 1..{MAX_CHUNK} batches per call, got limit={limit}", field="limit")
 
     def step(conn: Connection) -> PruneOutcome:
         sink_id = sinks.sink_by_name(conn, sink, retired=True).id if sink is not None else None

@@ -34,7 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
-from ..protocol.states import UNRESOLVED_LEASE_STATES, LeaseState
+from ..protocol.states import MAY_HOLD_TRANSACTION, LeaseState
 from ..store import gauges
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ def forget_sink(sink: str) -> None:
 
 # --- state from the database, at scrape time -----------------------------------------------------
 
-OPEN_STATES = tuple(s.value for s in LeaseState if s in UNRESOLVED_LEASE_STATES)
+OPEN_STATES = tuple(s.value for s in LeaseState if s in MAY_HOLD_TRANSACTION)
 # checkpoints still in flight or needing attention; COMMITTED ones are counted by the outcome counter
 CHECKPOINT_STATES = ("OPEN", "COMMITTING", "LOST")
 

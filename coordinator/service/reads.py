@@ -10,7 +10,7 @@ from typing import Any
 from ..protocol import recovery_rules
 from ..protocol.invariants import Snapshot
 from ..protocol.model import Checkpoint, Lease, Sink
-from ..protocol.states import CheckpointState, LeaseState
+from ..protocol.states import MAY_HOLD_TRANSACTION, CheckpointState, LeaseState
 from ..store import batches, events, leases, pool, reads, sinks
 from ..store.snapshot import snapshot
 from .context import ServiceContext
@@ -42,8 +42,9 @@ class Reads:
         return self.ctx.read(read)
 
     def possibly_open_transactions(self, name: str) -> list[Lease]:
-        """Every lease whose transactional id may hold an unresolved transaction on the broker."""
-        return self.ctx.read(lambda conn: leases.unresolved(conn, sinks.sink_by_name(conn, name).id))
+        """Every lease whose transactional id may hold an unresolved transaction on the broker (a
+        pre-lease no try claimed holds its id, but no transaction)."""
+        return self.ctx.read(lambda conn: leases.unresolved(conn, sinks.sink_by_name(conn, name).id, MAY_HOLD_TRANSACTION))
 
     def open_transactions_in_brief(self, name: str, oldest: int) -> OpenTransactions:
         """How many of the sink's ids may hold an open transaction, the `oldest` of their leases
@@ -51,7 +52,8 @@ class Reads:
 
         def read(conn: Any) -> OpenTransactions:
             sink = sinks.sink_by_name(conn, name)
-            return OpenTransactions(leases.count_unresolved(conn, sink.id), reads.oldest_unresolved(conn, sink.id, oldest),
+            return OpenTransactions(leases.count_unresolved(conn, sink.id, MAY_HOLD_TRANSACTION),
+                                    reads.oldest_unresolved(conn, sink.id, oldest),
                                     leases.unresolved(conn, sink.id, recovery_rules.NEAR_TIMEOUT_STATES))
 
         return self.ctx.read(read)

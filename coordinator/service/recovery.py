@@ -43,6 +43,7 @@ from ..protocol import recovery_rules
 from ..protocol.recovery_rules import SinkTimes, Step
 from ..protocol.configuration import transactional_id_stem
 from ..protocol.model import Sink
+from ..protocol.states import MAY_HOLD_TRANSACTION
 from ..store import batches, leadership, leases, sinks
 from . import Coordinator, metrics
 from .broker_checks import record_lso_lag
@@ -122,11 +123,14 @@ class RecoveryLoop:
                  holder: str | None = None, max_backoff_ms: int = 60_000, monotonic: Callable[[], float] = time.monotonic,
                  finish_grace_ms: int = 0, history_retention: timedelta | None = None,
                  sweep_interval_ms: int | None = 30_000,
-                 workers: int = 8, finish_workers: int = 64) -> None:
+                 workers: int = 8, finish_workers: int = 64,
+                 pool: Callable[[int, str], Any] = lambda n, name: ThreadPoolExecutor(n, thread_name_prefix=name)) -> None:
         """`finish_grace_ms`: a decided commit younger than this is left to the call that decided
         it (the service passes its commit reach's recovery_grace_ms). `history_retention`: prune
         the history of batches committed longer ago than this; None keeps it all.
-        `sweep_interval_ms`: how often each cluster is swept (None: never, for tests of the other steps)."""
+        `sweep_interval_ms`: how often each cluster is swept (None: never, for tests of the other steps).
+        `pool(workers, name)`: makes the loop's two pools of workers (the simulation runs them in
+        simulated time)."""
         if leader_ttl_ms <= interval_ms:
             raise ValueError(f"the recovery leader TTL ({leader_ttl_ms} ms) must exceed the loop interval "
                              f"({interval_ms} ms), or the leader's lease lapses between its renewals")
@@ -139,12 +143,13 @@ class RecoveryLoop:
         self.lease = LeaderLease(coordinator, holder or default_holder(), leader_ttl_ms)
         self._monotonic = monotonic
         self._backoff: dict[tuple[str, str], _Backoff] = {}
-        self._finishers = ThreadPoolExecutor(finish_workers, thread_name_prefix="recovery-finish")
-        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="recovery-steps")
+        self._finishers = pool(finish_workers, "recovery-finish")
+        self._workers = pool(workers, "recovery-steps")
         self._running: dict[tuple[str, str], Future[list[SinkReport]]] = {}  # (sink or cluster, kind): in flight
         self._lock = threading.Lock()
         self._next_sweep = float("-inf")  # monotonic time the next sweep of every cluster is due
         self._warning: set[str] = set()  # sinks with transactions near their timeout at the last pass
+        self._transacting: set[str] = set()  # sinks with a transaction in flight at the last pass
         self._prune_at = float("-inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -171,10 +176,15 @@ class RecoveryLoop:
         report = IterationReport(leader=True, token=token)
         metrics.RECOVERY_ITERATIONS.inc()
         self.iterations += 1
-        due, names = self._due()
+        due, names, in_flight = self._due()
         warning = {names[k] for k, steps in due.steps.items() if Step.NEAR_TIMEOUT in steps and k in names}
-        for name in self._warning - warning:  # nothing near its timeout any more
-            metrics.TRANSACTIONS_NEAR_TIMEOUT.labels(name).set(0)
+        if left := self._warning - warning:  # nothing near its timeout any more, or retired meanwhile
+            live = {s.name for s in self.coordinator.list_sinks()}
+            for name in left:
+                if name in live:
+                    metrics.TRANSACTIONS_NEAR_TIMEOUT.labels(name).set(0)
+                else:
+                    metrics.forget_sink(name)
         self._warning = warning
         started: list[Future[list[SinkReport]]] = []
         for sink_id, steps in sorted(due.steps.items(), key=lambda kv: names.get(kv[0], "")):
@@ -192,14 +202,17 @@ class RecoveryLoop:
             for future in started:
                 for part in future.result():
                     _merge(report.sinks.setdefault(part.name, SinkReport(part.name)), part)
+        for future in self._observe_lag(in_flight):  # after the steps when waiting: a test's queued failure is theirs
+            if wait:
+                future.result()
         if self.history_retention is not None:
             report.pruned = self._prune()
         return report
 
-    def _due(self) -> tuple[recovery_rules.DueWork, dict[int, str]]:
+    def _due(self) -> tuple[recovery_rules.DueWork, dict[int, str], set[str]]:
         c = self.coordinator
 
-        def read(conn: Connection) -> tuple[recovery_rules.DueWork, dict[int, str]]:
+        def read(conn: Connection) -> tuple[recovery_rules.DueWork, dict[int, str], set[str]]:
             decided = batches.decided_checkpoints(conn)
             unresolved = leases.unresolved(conn)
             involved = {x.sink_id for x in unresolved} | {x.sink_id for x in decided}
@@ -208,11 +221,12 @@ class RecoveryLoop:
             due = recovery_rules.due_work([x for x in decided if x.sink_id in live],
                                           [x for x in unresolved if x.sink_id in live], times,
                                           c.clock.now_in(conn), self.finish_grace_ms)
-            return due, {s.id: s.name for s in live.values()}
+            in_flight = {live[x.sink_id].name for x in unresolved if x.sink_id in live and x.state in MAY_HOLD_TRANSACTION}
+            return due, {s.id: s.name for s in live.values()}, in_flight
 
         return c.ctx.read(read)
 
-    def _submit(self, pool: ThreadPoolExecutor, key: tuple[str, str], fn: Callable[..., list[SinkReport]],
+    def _submit(self, pool: Any, key: tuple[str, str], fn: Callable[..., list[SinkReport]],
                 *args: Any) -> list[Future[list[SinkReport]]]:
         """fn(*args) on a worker, unless the same work of the previous pass is still running (the
         next pass looks again)."""
@@ -265,9 +279,22 @@ class RecoveryLoop:
                 self._succeeded(name, step.value)
         if r.lost:
             log.error("recovery loop: sink %s lost data in batches %s; it is halted until acknowledged", name, r.lost)
-        if c.control_plane is not None and Step.FINISH not in steps:
-            record_lso_lag(c, name)  # the partitions' lag gauges, for a sink with transactions in flight
         return [r]
+
+    def _observe_lag(self, names: set[str]) -> list[Future[list[SinkReport]]]:
+        """The partitions' lag gauges of the sinks with a transaction in flight, and once more of
+        those whose transactions ended since the last pass (the gauge follows the broker back)."""
+        if self.coordinator.control_plane is None:
+            return []
+        observed, self._transacting = self._transacting | names, names
+        started = []
+        for name in sorted(observed):
+            started += self._submit(self._workers, (name, "lag"), self._lag, name)
+        return started
+
+    def _lag(self, name: str) -> list[SinkReport]:
+        record_lso_lag(self.coordinator, name)  # never raises
+        return []
 
     # --- the sweep, per cluster -------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ def register_sink(ctx: ServiceContext, spec: SinkSpec, actor: str, *, check_brok
             if {k: existing[k] for k in values} != values:
                 raise e.Conflict(e.SINK_EXISTS, f"a sink named {spec.name!r} exists with a different configuration",
                                  existing={k: existing[k] for k in values})
-            return sinks.sink_by_name(conn, spec.name, retired=True), False
+            return sinks.sink_by_name(conn, spec.name), False  # a retired sink's name stays taken: 409
         clash = sinks.prefix_clash(conn, spec.transactional_id_prefix)
         if clash is not None:
             raise e.Conflict(

@@ -24,7 +24,7 @@ def checkpoint_for(conn: Connection, sink: Sink, batch_id: int, *, lock: bool = 
                                      checkpoints.c.query_id == (sink.lineage_query_id or ""))
     row = conn.execute(stmt.with_for_update() if lock else stmt).first()
     if row is None:
-        raise e.NotFound("checkpoint_not_found", f"batch {batch_id} of sink {sink.name!r} was never begun",
+        raise e.NotFound("unknown_checkpoint", f"batch {batch_id} of sink {sink.name!r} was never begun",
                          batch_id=batch_id)
     return Checkpoint.from_mapping(row._mapping)
 
@@ -59,7 +59,7 @@ def attempt_of(conn: Connection, checkpoint: Checkpoint, number: int, *, lock: L
         stmt = stmt.with_for_update(read=lock == "share")
     row = conn.execute(stmt).first()
     if row is None:
-        raise e.NotFound("attempt_not_found", f"batch {checkpoint.batch_id} has no attempt {number}",
+        raise e.NotFound("unknown_attempt", f"batch {checkpoint.batch_id} has no attempt {number}",
                          batch_id=checkpoint.batch_id, attempt=number)
     return Attempt.from_mapping(row._mapping)
 

@@ -10,7 +10,7 @@ from sqlalchemy import Connection, text
 _OPEN_TRANSACTIONS = text("""
     SELECT s.name, l.state, count(*) AS n, extract(epoch FROM now() - min(l.leased_at)) AS oldest_s
       FROM leases l JOIN sinks s ON s.id = l.sink_id
-     WHERE l.resolved_at IS NULL
+     WHERE l.resolved_at IS NULL AND l.state <> 'PRELEASED'
      GROUP BY s.name, l.state
 """)
 _CHECKPOINTS = text("""

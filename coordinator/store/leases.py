@@ -107,9 +107,11 @@ def of_producers(conn: Connection, sink_id: int, producer_ids: Sequence[int]) ->
                                                      leases.c.producer_id.in_(list(producer_ids)))))
 
 
-def count_unresolved(conn: Connection, sink_id: int) -> int:
-    return int(conn.execute(select(func.count()).select_from(leases).where(
-        leases.c.sink_id == sink_id, leases.c.resolved_at.is_(None))).scalar_one())
+def count_unresolved(conn: Connection, sink_id: int, states: Iterable[LeaseState] | None = None) -> int:
+    stmt = select(func.count()).select_from(leases).where(leases.c.sink_id == sink_id, leases.c.resolved_at.is_(None))
+    if states is not None:
+        stmt = stmt.where(leases.c.state.in_([s.value for s in states]))
+    return int(conn.execute(stmt).scalar_one())
 
 
 def move(conn: Connection, ids: Iterable[int], old: Iterable[LeaseState], new: LeaseState, now: datetime,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, and_, func, select, true
 
 from ..protocol.model import Attempt, Checkpoint, Lease, Sink
-from ..protocol.states import WINNING_LEASE_STATES, CheckpointState, LeaseState
+from ..protocol.states import MAY_HOLD_TRANSACTION, WINNING_LEASE_STATES, CheckpointState, LeaseState
 from . import batches
 from .tables import checkpoints, leases, sinks
 
@@ -86,15 +86,19 @@ def lease_page(conn: Connection, checkpoint_id: int, *, state: LeaseState | None
     return LeasePage(page[:limit], counts, more=len(page) > limit)
 
 
+_MAY_HOLD = [s.value for s in MAY_HOLD_TRANSACTION]
+
+
 def open_counts(conn: Connection) -> dict[int, int]:
-    """Unresolved leases (transactions that may be open) by sink id."""
-    return dict(conn.execute(select(leases.c.sink_id, func.count()).where(leases.c.resolved_at.is_(None))
-                             .group_by(leases.c.sink_id)).all())  # type: ignore[arg-type]
+    """Leases whose transaction may be open, by sink id."""
+    return dict(conn.execute(select(leases.c.sink_id, func.count()).where(
+        leases.c.resolved_at.is_(None), leases.c.state.in_(_MAY_HOLD)).group_by(leases.c.sink_id)).all())  # type: ignore[arg-type]
 
 
 def oldest_unresolved(conn: Connection, sink_id: int, limit: int) -> list[Lease]:
+    """The sink's leases whose transaction may be open, the oldest first."""
     return [Lease.from_mapping(r._mapping) for r in conn.execute(
-        select(leases).where(leases.c.sink_id == sink_id, leases.c.resolved_at.is_(None))
+        select(leases).where(leases.c.sink_id == sink_id, leases.c.resolved_at.is_(None), leases.c.state.in_(_MAY_HOLD))
         .order_by(leases.c.leased_at, leases.c.id).limit(limit))]
 
 

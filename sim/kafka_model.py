@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 
 from coordinator.kafka.control_plane import (
     BrokerCheck,
+    CallOutcome,
     ControlPlaneError,
     FirstOffset,
     KafkaTarget,
@@ -41,6 +42,7 @@ from coordinator.kafka.control_plane import (
     PartitionStability,
     PreparedTransaction,
     TransactionOutcome,
+    call_by_call,
     combine_outcomes,
 )
 from coordinator.service.clock import ManualClock
@@ -272,13 +274,20 @@ class ModelControlPlane:
     """coordinator.kafka.control_plane.KafkaControlPlane on the model: commit = EndTxn(commit) with the
     stored id / producer id / epoch; abort = InitProducerId on the id. Broker refusals are
     non-retriable ControlPlaneErrors with Kafka's error name as code; faults from the hook are
-    whatever it raises (the runner raises retriable ControlPlaneErrors or a process crash)."""
+    whatever it raises (the runner raises retriable ControlPlaneErrors or a process crash).
+
+    A cluster in `unreachable` (its bootstrap string) answers nothing: a pass of calls to it costs
+    its retry budget of time and ends there (the pass's rule), counted in `busy_ms` for the worker
+    running it (sim/virtual_time.py turns it into the time that worker is busy)."""
 
     name = "model"
 
-    def __init__(self, model: KafkaModel, hook: FaultHook | None = None) -> None:
+    def __init__(self, model: KafkaModel, hook: FaultHook | None = None, *, retry_budget_ms: int = 1_000) -> None:
         self.model = model
         self.hook = hook
+        self.retry_budget_ms = retry_budget_ms
+        self.unreachable: set[str] = set()
+        self.busy_ms = 0
         self.calls: list[tuple[str, str]] = []
 
     def _run(self, op: str, key: str, fn: Callable[[], object]) -> object:
@@ -292,6 +301,28 @@ class ModelControlPlane:
         if self.hook is not None:
             self.hook("after", op, key)
         return result
+
+    def _reach(self, target: KafkaTarget, budget_ms: int | None) -> None:
+        if target.bootstrap_servers in self.unreachable:
+            self.busy_ms += self.retry_budget_ms if budget_ms is None else budget_ms
+            raise ControlPlaneError(f"cannot bootstrap from {target.bootstrap_servers}", retriable=True,
+                                    code="broker_unreachable")
+
+    def commit_all(self, target: KafkaTarget, txns: Sequence[PreparedTransaction], parallelism: int,
+                   budget_ms: int | None = None) -> list[CallOutcome]:
+        def one(txn: PreparedTransaction) -> None:
+            self._reach(target, budget_ms)
+            self.commit(target, txn)
+
+        return call_by_call(one, txns)
+
+    def abort_all(self, target: KafkaTarget, transactional_ids: Sequence[str], parallelism: int,
+                  budget_ms: int | None = None) -> list[CallOutcome]:
+        def one(tid: str) -> None:
+            self._reach(target, budget_ms)
+            self.abort(target, tid)
+
+        return call_by_call(one, transactional_ids)
 
     def commit(self, target: KafkaTarget, txn: PreparedTransaction) -> None:
         self._run("commit", txn.transactional_id,
@@ -309,6 +340,7 @@ class ModelControlPlane:
         return combine_outcomes([TransactionOutcome(r) for r in reads])  # type: ignore[attr-defined]
 
     def list_open_transactions(self, target: KafkaTarget, prefix: str) -> list[OpenTransaction]:
+        self._reach(target, None)
         listed = self._run("list", prefix, lambda: self.model.list_open(prefix))
         return [
             OpenTransaction(t.transactional_id, t.producer_id, t.producer_epoch, t.state, t.start_ms, t.timeout_ms,

@@ -9,13 +9,18 @@ generation). Spark's task attempt ids restart with each SparkContext (a new driv
 
 Executors: one task per partition with rows (an empty partition takes no lease and opens no
 transaction); failed tasks are retried up to spark.task.maxFailures; a task may get a
-speculative copy, and the first copy to finish wins; the number of partitions is chosen anew for
-every job, so it changes between attempts and replays. The driver's begin names the partition
-count and the batch's offsets and gets a lease per partition for its first task try; every other
-try (a retry, a speculative copy) leases its own. A task refuses to initialise a producer on a
-lease older than the coordinator's bound, initialises one on its id (InitProducerId on the
-model), produces its rows, checks its deadline against the commit margin, and returns its
-pre-commit record (lease, producer id, epoch, counts) to the driver, which commits with them.
+speculative copy, and the first copy to finish wins; a stage may be resubmitted (a fetch
+failure), its tries running again while the old ones may still run; the number of partitions is
+chosen anew for every job, so it changes between attempts and replays. The driver's begin names
+the partition count and the batch's offsets (the coordinator takes an id per partition). Every
+try with rows asks the coordinator for its lease with its task attempt id, as the real client
+does: it sees no stage attempt number (PySpark's TaskContext has none), so it cannot tell a first
+try from a try of a resubmitted stage; the coordinator can (the first asker claims the
+partition's pre-lease, every other try gets its own id). A task refuses to initialise a producer
+on a lease older than the coordinator's bound (the answer's age plus its own elapsed time),
+initialises one on its id (InitProducerId on the model), produces its rows, checks its deadline
+against the commit margin, and returns its pre-commit record (task try, producer id, epoch,
+counts, first offsets) to the driver, which commits with them.
 """
 
 from __future__ import annotations
@@ -28,8 +33,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from coordinator.protocol import errors as e
-from coordinator.protocol.model import Lease, PartitionResult, PrecommitRecord
-from coordinator.protocol.rules import PrecommitRequest, is_first_try
+from coordinator.protocol.model import PartitionResult, PrecommitRecord
 
 from coordinator.service import Coordinator, Limits
 from coordinator.service.clock import ManualClock
@@ -99,6 +103,7 @@ class SimWorld(Protocol):
     model: KafkaModel
     client: CoordinatorCalls
     ckpt: CheckpointLocation
+    guessed_first_tries: bool
 
     def trace(self, line: str) -> None: ...
     def local(self, key: str) -> str: ...
@@ -111,6 +116,7 @@ class SimWorld(Protocol):
     def on_generation_started(self, driver: Driver) -> None: ...
     def executor_zombie(self, transactional_id: str, rows: list[str]) -> None: ...
     def orphan_call(self, name: str, fn: Callable[[Coordinator], Any]) -> None: ...
+    def race_begin(self, batch: int, generation: int, partitions: int, digest: str, run_id: str) -> None: ...
 
 
 class Driver:
@@ -162,6 +168,9 @@ class Driver:
         self.zombie.batch_id, self.zombie.attempt, self.zombie.lease_ids = batch, None, []
         n = sim.rng.randint(1, 4)  # the job's partition count, known to the driver before it begins
         digest = offsets_digest(records)
+        if sim.faults.roll("begin_race"):  # the query restarts while this begin runs: this driver is fenced
+            sim.race_begin(batch, gen, n, digest, self.run_id)
+            raise DriverCrash(f"batch {batch} begin raced a new generation")
         r = sim.client.call("begin_checkpoint", lambda c: c.begin_checkpoint(
             sim.sink, batch, gen, "driver", partitions=n, offsets_digest=digest))
         sim.trace(f"begin batch {batch}: {r.action} attempt {r.attempt.number if r.attempt else None}")
@@ -170,9 +179,8 @@ class Driver:
         assert r.attempt is not None
         attempt = r.attempt.number
         self.zombie.attempt = attempt
-        self.zombie.lease_ids += [x.id for x in r.pre_leases]
         self.crash_point(f"batch {batch} after begin")
-        results = self.run_job(batch, attempt, records, n, {x.partition: x for x in r.pre_leases})
+        results = self.run_job(batch, attempt, records, n)
         self.crash_point(f"batch {batch} job done")
         sim.maybe_near_timeout(f"before commit of batch {batch}")
 
@@ -187,49 +195,44 @@ class Driver:
 
     # --- the job ----------------------------------------------------------------------------
 
-    def run_job(self, batch: int, attempt: int, records: list[str], n: int,
-                pre_leases: dict[int, Lease]) -> list[PartitionResult]:
+    def run_job(self, batch: int, attempt: int, records: list[str], n: int) -> list[PartitionResult]:
         sim = self.sim
         parts = [[r for i, r in enumerate(records) if i % n == p] for p in range(n)]
         sim.trace(f"job batch {batch} attempt {attempt}: {n} partitions {[len(p) for p in parts]}")
-        stage_attempt = 0
         if sim.faults.roll("stage_retry"):
-            self.lose_stage_attempt(batch, attempt, parts, pre_leases)
-            stage_attempt = 1
+            self.lose_stage_attempt(batch, attempt, parts)
         results = []
         for p, rows in enumerate(parts):
             if not rows:
                 results.append(PartitionResult(p, None))
                 continue
-            lease_id, record = self.run_task_set(batch, attempt, p, rows, pre_leases.get(p), stage_attempt)
+            lease_id, record = self.run_task_set(batch, attempt, p, rows)
             results.append(PartitionResult(p, lease_id, record))
         return results
 
-    def lose_stage_attempt(self, batch: int, attempt: int, parts: list[list[str]], pre_leases: dict[int, Lease]) -> None:
-        """Spark re-runs the whole stage (a fetch failure): stage attempt 0's first tries ran on their
-        pre-leases and are given up on -- each either never started, wrote and had its result thrown
-        away (an open transaction the commit must abort), or stalled before InitProducerId (a zombie
-        whose InitProducerId lands later). Stage attempt 1's tries lease ids of their own."""
+    def lose_stage_attempt(self, batch: int, attempt: int, parts: list[list[str]]) -> None:
+        """Spark resubmits the whole stage (a fetch failure): stage attempt 0's tries are given up on,
+        each having never started, written (its result thrown away: an open transaction the commit
+        must abort), or stalled after its lease and before InitProducerId (a zombie whose
+        InitProducerId lands later). The resubmitted stage's tries look like first tries to
+        themselves (no stage attempt number): only the coordinator's claim tells them apart."""
         sim = self.sim
         sim.faults.fired("stage_retry", f"b{batch}")
         sim.trace(f"  !! stage attempt 0 of batch {batch} is lost: the stage re-runs")
         for p, rows in enumerate(parts):
-            pre_lease = pre_leases.get(p)
-            if not rows or pre_lease is None:
+            if not rows:
                 continue
             fate = sim.rng.choice(("never ran", "wrote", "stalled"))
             self.task_attempt_ids += 1
-            if fate == "stalled":
-                sim.executor_zombie(pre_lease.transactional_id, rows)
-            elif fate == "wrote":
-                try:
-                    self.run_task(batch, attempt, p, self.task_attempt_ids, rows, pre_lease)
-                    sim.trace(f"  stage attempt 0's try of p{p} finished; its result is thrown away")
-                except TaskFailure as exc:
-                    sim.trace(f"  stage attempt 0's try of p{p} failed: {exc}")
+            if fate == "never ran":
+                continue
+            try:
+                self.run_task(batch, attempt, p, self.task_attempt_ids, rows, stall=fate == "stalled", attempt_number=0)
+                sim.trace(f"  stage attempt 0's try of p{p} finished; its result is thrown away")
+            except TaskFailure as exc:
+                sim.trace(f"  stage attempt 0's try of p{p}: {exc}")
 
-    def run_task_set(self, batch: int, attempt: int, partition: int, rows: list[str],
-                     pre_lease: Lease | None, stage_attempt: int = 0) -> tuple[int, PrecommitRecord]:
+    def run_task_set(self, batch: int, attempt: int, partition: int, rows: list[str]) -> tuple[int, PrecommitRecord]:
         sim = self.sim
         for failure in range(MAX_TASK_FAILURES):
             copies = 1
@@ -239,20 +242,24 @@ class Driver:
             winners = []
             for copy in range(copies):
                 self.task_attempt_ids += 1
-                first = pre_lease if is_first_try(stage_attempt, failure + copy) else None
                 try:
-                    winners.append(self.run_task(batch, attempt, partition, self.task_attempt_ids, rows, first))
+                    winners.append(self.run_task(batch, attempt, partition, self.task_attempt_ids, rows,
+                                                 attempt_number=failure + copy))
                 except TaskFailure as exc:
                     sim.trace(f"  task b{batch} p{partition} t{self.task_attempt_ids} failed: {exc}")
             if winners:
                 return sim.rng.choice(winners)  # the first copy to finish wins
         raise JobFailed(f"partition {partition} of batch {batch} failed {MAX_TASK_FAILURES} times")
 
-    def run_task(self, batch: int, attempt: int, partition: int, task_attempt_id: int, rows: list[str],
-                 pre_lease: Lease | None) -> tuple[int, PrecommitRecord]:
+    def run_task(self, batch: int, attempt: int, partition: int, task_attempt_id: int, rows: list[str], *,
+                 attempt_number: int, stall: bool = False) -> tuple[int, PrecommitRecord]:
+        """One task try. `attempt_number`: what TaskContext.attemptNumber() says (0 for a partition's
+        first try in every stage attempt, a resubmitted stage's included)."""
         sim = self.sim
         gen = self.generation
         assert gen is not None
+        if sim.guessed_first_tries and attempt_number == 0:  # the broken variant (broken.py): the landed
+            task_attempt_id = -1  # client named every try of attempt number 0 "the first try"
 
         def step(where: str) -> None:
             sim.advance(sim.rng.randint(0, 60))
@@ -260,25 +267,25 @@ class Driver:
                 sim.faults.fired("executor_crash", where)
                 raise TaskFailure(f"executor lost {where}")
 
-        if pre_lease is not None:
-            lease = pre_lease
-        else:
-            try:
-                lease = sim.client.call("begin_partition", lambda c: c.begin_partition(
-                    sim.sink, batch, attempt, gen, partition, task_attempt_id))
-            except e.ProtocolError as exc:
-                raise TaskFailure(f"begin_partition refused: {exc.reason}") from exc
-            except ClientGaveUp as exc:
-                raise TaskFailure(str(exc)) from exc
-            self.zombie.lease_ids.append(lease.id)
-        sim.trace(f"  task b{batch} p{partition} t{task_attempt_id}: {'pre-' if pre_lease else ''}lease "
-                  f"{sim.local_lease(lease.id)} {sim.local(lease.transactional_id)}")
-        if sim.faults.roll("zombie_executor"):  # stalls before InitProducerId; Spark gives up on it
+        try:
+            grant = sim.client.call("lease", lambda c: c.lease(sim.sink, batch, attempt, gen, partition, task_attempt_id))
+        except e.ProtocolError as exc:
+            raise TaskFailure(f"lease refused: {exc.reason}") from exc
+        except ClientGaveUp as exc:
+            raise TaskFailure(str(exc)) from exc
+        lease = grant.lease
+        answered = sim.clock.now()  # the task's own (monotonic) clock from here on
+        self.zombie.lease_ids.append(lease.id)
+        sim.trace(f"  task b{batch} p{partition} t{task_attempt_id}: lease {sim.local_lease(lease.id)} "
+                  f"{sim.local(lease.transactional_id)}")
+        if stall or sim.faults.roll("zombie_executor"):  # stalls before InitProducerId; Spark gives up on it
             sim.executor_zombie(lease.transactional_id, rows)
             raise TaskFailure("executor stalled before init_transactions (its InitProducerId is still on its way)")
         step("after lease")
-        # no InitProducerId on a lease older than the bound (its id may be out of quarantine and re-leased)
-        if sim.clock.now() - lease.leased_at > timedelta(milliseconds=sim.limits.lease_max_init_age_ms):
+        # no InitProducerId on a lease older than the bound: its age when answered (the coordinator's
+        # clock) plus the time since, by the task's own clock (its id may be out of quarantine and re-leased)
+        age = timedelta(milliseconds=grant.age_ms) + (sim.clock.now() - answered)
+        if age > timedelta(milliseconds=grant.rules.max_lease_init_age_ms):
             raise TaskFailure("lease too old to start init_transactions")
         try:
             pid, epoch = sim.model.init_producer_id(lease.transactional_id, sim.timeout_ms)
@@ -297,7 +304,7 @@ class Driver:
         if lease.deadline_at - sim.clock.now() < timedelta(milliseconds=sim.margin_ms):
             raise TaskFailure("transaction deadline inside the commit margin")
         step("after the result (result lost)")
-        return lease.id, PrecommitRecord(pid, epoch, len(rows), sum(len(r) for r in rows),
+        return lease.id, PrecommitRecord(task_attempt_id, pid, epoch, len(rows), sum(len(r) for r in rows),
                                          first_offsets=[[t, p, o] for (t, p), o in sorted(first.items())])
 
 
@@ -313,12 +320,14 @@ def zombie_call(sim: SimWorld, z: ZombieState) -> tuple[str, Any]:
         options += [("begin_checkpoint", lambda c: c.begin_checkpoint(sim.sink, b, z.generation, "zombie"))] * 3
         if z.attempt is not None:
             a = z.attempt
-            options.append(("begin_partition", lambda c: c.begin_partition(sim.sink, b, a, z.generation, 0, 10_000)))
+            options.append(("lease", lambda c: c.lease(sim.sink, b, a, z.generation, 0, 10_000)))
             options.append(("commit", lambda c: c.commit(sim.sink, b, a, z.generation, [PartitionResult(0, None)], "zombie")))
             options.append(("abort_attempt", lambda c: c.abort_attempt(sim.sink, b, a, z.generation, "zombie", "zombie")))
-        if z.lease_ids:
-            lid = z.lease_ids[-1]
-            options.append(("precommit", lambda c: c.precommit(sim.sink, lid, z.generation, PrecommitRequest(1, 0, 1, 1))))
+            if z.lease_ids:
+                lid = z.lease_ids[-1]
+                options.append(("commit naming its lease", lambda c: c.commit(
+                    sim.sink, b, a, z.generation, [PartitionResult(0, lid, PrecommitRecord(10_000, 1, 0, 1, 1))],
+                    "zombie")))
     else:
         options.append(("begin_checkpoint", lambda c: c.begin_checkpoint(sim.sink, 0, z.generation, "zombie")))
     return sim.rng.choice(options)

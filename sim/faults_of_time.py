@@ -7,13 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .kafka_model import KafkaError
 from .spark import CheckpointLocation, batch_input, kafka_partition
-
-if TYPE_CHECKING:
-    from .runner import Sim
 
 # How late a stalled executor try's InitProducerId may still reach the broker after its lease was
 # granted, where the coordinator states no bound of its own.
@@ -30,13 +27,13 @@ class ExecutorZombie:
 
 
 class TimeFaults:
-    def __init__(self: Sim) -> None:  # type: ignore[misc]
+    def __init__(self) -> None:
         self.executor_zombies: list[ExecutorZombie] = []
         self.restores = 0  # checkpoint restores from an older backup so far
         self.replanned: set[int] = set()  # batches whose committed plan the restore dropped
         self.newest_checkpoint: CheckpointLocation | None = None  # what the operator can put back
 
-    def advance(self: Sim, ms: int) -> None:  # type: ignore[misc]
+    def advance(self, ms: int) -> None:
         """Move true time on; stalled executors' InitProducerIds land at their moment on the way."""
         target = self.clock.now() + timedelta(milliseconds=ms)
         while True:
@@ -49,20 +46,20 @@ class TimeFaults:
             self._fire_executor_zombie(z)
         self._move_clock(max(0, int((target - self.clock.now()) / timedelta(milliseconds=1))))
 
-    def _move_clock(self: Sim, ms: int) -> None:  # type: ignore[misc]
+    def _move_clock(self, ms: int) -> None:
         if ms:
             self.clock.advance(ms=ms)
             for tid in self.model.expire():
                 self.trace(f"  broker aborted {self.local(tid)} at its timeout")
 
-    def executor_init_reach_ms(self: Sim, limits: Any) -> int:  # type: ignore[misc]
+    def executor_init_reach_ms(self, limits: Any) -> int:
         """How late a stalled try's InitProducerId may land after its lease: the protocol's bound
         (lease age at init + init timeout + request timeout)."""
         parts = [getattr(limits, n, None) for n in
                  ("lease_max_init_age_ms", "producer_init_timeout_ms", "producer_request_timeout_ms")]
         return sum(parts) if all(p is not None for p in parts) else EXECUTOR_INIT_REACH_MS  # type: ignore[arg-type]
 
-    def executor_zombie(self: Sim, transactional_id: str, rows: list[str]) -> None:  # type: ignore[misc]
+    def executor_zombie(self, transactional_id: str, rows: list[str]) -> None:
         delay = self.rng.randint(1, self.executor_init_reach_ms(self.limits))
         self.faults.fired("zombie_executor", f"{self.local(transactional_id)} +{delay}ms")
         self.trace(f"  !! executor try on {self.local(transactional_id)} stalls before InitProducerId "
@@ -70,7 +67,7 @@ class TimeFaults:
         self.executor_zombies.append(ExecutorZombie(self.clock.now() + timedelta(milliseconds=delay),
                                                     transactional_id, list(rows)))
 
-    def _fire_executor_zombie(self: Sim, z: ExecutorZombie) -> None:  # type: ignore[misc]
+    def _fire_executor_zombie(self, z: ExecutorZombie) -> None:
         try:
             pid, epoch = self.model.init_producer_id(z.transactional_id, self.timeout_ms)
             self.trace(f"  !! stalled executor's InitProducerId on {self.local(z.transactional_id)} lands: "
@@ -82,12 +79,12 @@ class TimeFaults:
         except KafkaError as exc:
             self.trace(f"  stalled executor refused by the broker: {exc.code}")
 
-    def fire_all_executor_zombies(self: Sim) -> None:  # type: ignore[misc]
+    def fire_all_executor_zombies(self) -> None:
         if self.executor_zombies:
             last = max(z.fire_at for z in self.executor_zombies)
             self.advance(max(0, int((last - self.clock.now()) / timedelta(milliseconds=1))))
 
-    def maybe_skew_clocks(self: Sim) -> None:  # type: ignore[misc]
+    def maybe_skew_clocks(self) -> None:
         """The second replica's clock is off by more than the margin (NTP trouble, a VM pause)."""
         if len(self.replicas) < 2 or not self.faults.roll("clock_skew"):
             return
@@ -96,7 +93,7 @@ class TimeFaults:
         self.faults.fired("clock_skew", f"replica 1 {skew:+d}ms")
         self.trace(f"  !! replica 1's clock is {skew:+d} ms off")
 
-    def maybe_step_clock_back(self: Sim) -> None:  # type: ignore[misc]
+    def maybe_step_clock_back(self) -> None:
         clock = self.clocks.get(1)
         if clock is None or clock.offset_ms == 0 or self.rng.random() >= 0.1:
             return
@@ -105,7 +102,7 @@ class TimeFaults:
         self.faults.fired("clock_skew", f"replica 1 steps back {step}ms")
         self.trace(f"  !! replica 1's clock steps back {step} ms")
 
-    def maybe_near_timeout(self: Sim, where: str, *, task: bool = False) -> None:  # type: ignore[misc]
+    def maybe_near_timeout(self, where: str, *, task: bool = False) -> None:
         """The clock jumps close to the transaction timeout (a slow task, a long GC, a slow job).
         A correctly configured deployment finishes decided commits well within the margin, so the
         recovery loop finishes a decided commit still unfinished during the pause (its grace is
@@ -118,7 +115,7 @@ class TimeFaults:
         self.trace(f"  !! clock jumps {jump} ms ({where})")
         self.advance(jump)
 
-    def driver_stays_down(self: Sim) -> None:  # type: ignore[misc]
+    def driver_stays_down(self) -> None:
         """The driver is down past every transaction timeout (a cluster restart, a job resubmitted
         later): no call of its own finishes a commit it decided, only the recovery loop does, and it
         must before the broker aborts the transactions. The loop keeps running after that too."""
@@ -128,7 +125,7 @@ class TimeFaults:
         self.advance(max(0, self.timeout_ms + self.margin_ms - waited))
         self.every_recovery_loop("while the driver is down")
 
-    def plan_input(self: Sim, batch: int) -> list[str]:  # type: ignore[misc]
+    def plan_input(self, batch: int) -> list[str]:
         """The records Spark plans for a batch: the deterministic input, and after a checkpoint
         restore the batches it dropped are re-planned from the same start over more records."""
         base = batch_input(self.seed, batch)
@@ -136,7 +133,7 @@ class TimeFaults:
             base = base + [f"b{batch}r{len(base) + i}R{self.restores}" for i in range(self.rng.randint(1, 3))]
         return base
 
-    def maybe_restore_checkpoint(self: Sim) -> None:  # type: ignore[misc]
+    def maybe_restore_checkpoint(self) -> None:
         """Spark's checkpoint directory is restored from an older backup: the same query id, but the
         newest commits (and their offset log entries) are gone, so those batch ids are planned again."""
         if not self.ckpt.commits or not self.faults.roll("checkpoint_restore"):
@@ -154,7 +151,7 @@ class TimeFaults:
         self.trace(f"  !! checkpoint restored from a backup taken before batch {k} (batches {sorted(dropped)} "
                    "will be planned again)")
 
-    def operator_restores_newest_checkpoint(self: Sim, why: str) -> bool:  # type: ignore[misc]
+    def operator_restores_newest_checkpoint(self, why: str) -> bool:
         """The coordinator refused a replay over different offsets: the operator puts back the
         newest checkpoint (the reset path of the refusal). False if there was no restore to undo."""
         if self.newest_checkpoint is None:

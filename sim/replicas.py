@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from coordinator.protocol import errors as e
 from coordinator.service import Coordinator
@@ -16,9 +16,6 @@ from coordinator.service.recovery import RecoveryLoop
 from .faults import ClientGaveUp, CoordinatorCrash, InjectedDbFailure
 from .kafka_model import ModelControlPlane
 from .virtual_time import VirtualPool
-
-if TYPE_CHECKING:
-    from .runner import Sim
 
 T = TypeVar("T")
 RETRIABLE_UNAVAILABLE = {"kafka_commit_failed", e.POOL_EXHAUSTED}
@@ -45,7 +42,7 @@ class SkewedClock:
 class Replica:
     """One coordinator process (and its recovery loop) of the deployment."""
 
-    def __init__(self, sim: Sim, index: int) -> None:
+    def __init__(self, sim: Any, index: int) -> None:  # sim: the schedule (runner.Sim), which holds its replicas
         self.sim = sim
         self.index = index
         self.restarts = 0
@@ -75,7 +72,7 @@ class Client:
     """The coordinator client of the driver and the executors: retries the same request after a
     failure, a lost response or a 503, on whichever replica the load balancer picks."""
 
-    def __init__(self, sim: Sim) -> None:
+    def __init__(self, sim: Any) -> None:  # sim: the schedule (runner.Sim)
         self.sim = sim
 
     def call(self, name: str, fn: Callable[[Coordinator], T], *, retries: int = 12) -> T:

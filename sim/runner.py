@@ -36,9 +36,11 @@ from coordinator.service import Coordinator, Limits, SinkSpec
 from coordinator.service.clock import Clock, ManualClock
 from coordinator.store import tables
 
-from . import checks, races
+from . import races
+from .checks import ScheduleChecks
 from .faults import ClientGaveUp, CoordinatorCrash, DriverCrash, FaultConfig, Faults, InjectedDbFailure, Injector
 from .faults_of_time import TimeFaults
+from .races import RaceFaults
 from .kafka_model import KafkaModel
 from .replicas import Client, Replica, SkewedClock
 from .spark import CheckpointLocation, Driver, JobFailed, ZombieState, batch_input, zombie_call
@@ -85,7 +87,7 @@ class ScheduleResult:
         return "\n".join(lines)
 
 
-class Sim(TimeFaults):
+class Sim(TimeFaults, RaceFaults, ScheduleChecks):
     def __init__(self, seed: int, engine: Engine, config: FaultConfig | None = None, *, n_batches: int | None = None,
                  one_clock: bool = True, recovery_grace_ms: int | None = None, serial_recovery: bool = False,
                  guessed_first_tries: bool = False) -> None:
@@ -167,7 +169,7 @@ class Sim(TimeFaults):
         return _Timeline()
 
     def race_begin(self, batch: int, generation: int, partitions: int, digest: str, run_id: str) -> None:
-        races.begin_racing_a_new_generation(self, batch, generation, partitions, digest, run_id)
+        self.begin_racing_a_new_generation(batch, generation, partitions, digest, run_id)
 
     def pick_replica(self) -> Replica:
         return self.replicas[self.rng.randrange(len(self.replicas))]
@@ -281,7 +283,7 @@ class Sim(TimeFaults):
     def unfinished_decisions(self) -> list[datetime]:
         """When each decided commit of the sink still to finish was decided: COMMITTING checkpoints,
         and LOST ones with winners still to commit (a refused winner does not stop the others)."""
-        snap = checks.sink_snapshot(self)
+        snap = self.sink_snapshot()
         return [c.decided_at or self.clock.now() for c in snap.checkpoints
                 if c.id in recovery_rules.checkpoints_to_finish(snap.checkpoints, snap.leases)]
 
@@ -317,7 +319,7 @@ class Sim(TimeFaults):
         self.pending_zombies.clear()
 
     def check_stale_call(self, what: str, thunk: Callable[[Coordinator], Any]) -> None:
-        before = checks.sink_snapshot(self)
+        before = self.sink_snapshot()
         outcome = "accepted"
         with self.operation(what, inject=False):
             try:
@@ -326,7 +328,7 @@ class Sim(TimeFaults):
                 outcome = f"409 {exc.reason}"
             except e.ProtocolError as exc:
                 outcome = f"{exc.status} {exc.reason}"
-        after = checks.sink_snapshot(self)
+        after = self.sink_snapshot()
         self.trace(f"  {what}: {outcome}")
         if not outcome.startswith("409"):
             self.violations.append(f"I5: stale call {what} was not refused with a 409 ({outcome})")
@@ -367,7 +369,7 @@ class Sim(TimeFaults):
         self.sink_id = sink.id
         self.trace(f"schedule seed {self.seed}: {self.n_batches} batches, {len(self.replicas)} replica(s), "
                    f"inputs {[len(batch_input(self.seed, b)) for b in range(self.n_batches)]}")
-        races.unreachable_neighbours(self)
+        self.unreachable_neighbours()
         runs = 0
         while len(self.ckpt.commits) < self.n_batches and runs < MAX_DRIVER_RUNS + 2:
             runs += 1
@@ -392,11 +394,11 @@ class Sim(TimeFaults):
                 self.driver_stays_down()
             else:
                 self.advance(self.rng.randint(0, self.small_delay_ms))  # the restart takes a moment
-            checks.check_db(self, settled=False, when=f"after driver run {runs}")
+            self.check_db(settled=False, when=f"after driver run {runs}")
         self.faults.enabled = False
         self.quiesce()
-        races.retire_while_a_begin_runs(self)
-        checks.check_end(self)
+        self.retire_while_a_begin_runs()
+        self.check_end()
 
     def quiesce(self) -> None:
         """Recovery until nothing is left to finish; I6 while transactions can still be open; then
@@ -405,7 +407,7 @@ class Sim(TimeFaults):
         self.release_leadership()
         self.every_recovery_loop("quiesce")
         self.finish_decided_commits("quiesce", 5)
-        checks.check_unexplained_open(self)
+        self.check_unexplained_open()
         self.trace("quiesce: clock moves past every transaction timeout")
         self.advance(self.timeout_ms + self.margin_ms)
         for _ in range(3):

@@ -101,3 +101,21 @@ def test_swagger_ui_and_redoc_are_served_from_the_package(coordinator: Coordinat
                 assert f"/docs-assets/{asset}" in html.text
                 got = client.get(f"/docs-assets/{asset}")
                 assert got.status_code == 200 and len(got.content) > 100_000, asset
+
+
+def generated_diagrams(page: str) -> str:
+    return page.split("<!-- generated: python -m coordinator.protocol.diagrams -->\n", 1)[1].split(
+        "\n<!-- end generated -->", 1)[0]
+
+
+def test_the_protocols_state_diagrams_are_its_tables() -> None:
+    """docs/protocol.md draws the state machines from coordinator/protocol/states.py's tables; a
+    drawing made from another table (a transition added or removed) would not match."""
+    from coordinator.protocol import diagrams
+    from coordinator.protocol.states import LeaseState
+
+    drawn = generated_diagrams((REPO_ROOT / "docs" / "protocol.md").read_text())
+    assert drawn.strip() == diagrams.document().strip()
+    changed = dict(diagrams.MACHINES)
+    changed["lease"] = {**diagrams.LEASE_TRANSITIONS, LeaseState.ABORTED: frozenset({LeaseState.LEASED})}
+    assert diagrams.document(changed).strip() != drawn.strip()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Histogram
 from starlette.routing import Mount
 
 HTTP_DURATION = Histogram(
@@ -16,12 +16,6 @@ HTTP_DURATION = Histogram(
     "and status code",
     ["method", "route", "status"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
-)
-
-CALLS_RUN_AGAIN_IN_THREAD = Counter(
-    "coordinator_http_calls_run_again_in_thread_total",
-    "begin and commit calls that started on the event loop and ran again in a thread, since they "
-    "would have blocked the loop (a sink's first batch growing its id pool, a retried begin...)",
 )
 
 

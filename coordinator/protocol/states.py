@@ -80,6 +80,14 @@ LEASE_TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
     LeaseState.LOST: frozenset(),
 }
 
+# Where an entity starts: a checkpoint and an attempt OPEN; a lease PRELEASED when begin takes it
+# for a partition's first try, LEASED when it is granted to a try at once.
+INITIAL_STATES: dict[type[StrEnum], tuple[StrEnum, ...]] = {
+    CheckpointState: (CheckpointState.OPEN,),
+    AttemptState: (AttemptState.OPEN,),
+    LeaseState: (LeaseState.PRELEASED, LeaseState.LEASED),
+}
+
 _TABLES = {
     CheckpointState: CHECKPOINT_TRANSITIONS,
     AttemptState: ATTEMPT_TRANSITIONS,

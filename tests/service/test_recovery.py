@@ -234,7 +234,7 @@ def test_a_commit_decided_within_the_grace_is_left_to_the_call_deciding_it(
     try:
         sent = len(kafka.commits)
         clock.advance(ms=grace_ms - 1)
-        due, names = loop._due()
+        due, names, _ = loop._due()
         assert {names[k]: v for k, v in due.steps.items()}.get(NAME, set()) == set()
         assert c.finish_decided_commits(NAME, grace_ms).committed == []
         r = loop.run_once().sinks.get(NAME)
@@ -242,7 +242,7 @@ def test_a_commit_decided_within_the_grace_is_left_to_the_call_deciding_it(
         assert c.snapshot().checkpoints[0].state is CheckpointState.COMMITTING
 
         clock.advance(ms=1)
-        due, names = loop._due()
+        due, names, _ = loop._due()
         assert {names[k]: {s.value for s in v} for k, v in due.steps.items()}[NAME] == {"finish"}
         r = loop.run_once().sinks[NAME]
         assert r.committed == [0] and len(kafka.commits) == sent + 1

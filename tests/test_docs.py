@@ -43,6 +43,26 @@ def test_every_relative_link_resolves(path: Path) -> None:
     assert not broken, f"{path.name}: links to missing files: {broken}"
 
 
+# a file of the repository named in a page's text: `tests/http/test_api.py`, coordinator/service/commit.py
+NAMED_FILE = re.compile(r"(?<![\w/.-])((?:tests|coordinator|sparkclient|sim|bench|deploy|docs)/[\w/.-]+\.(?:py|md|yaml|yml|sh|toml))")
+
+
+def named_files(text: str) -> set[str]:
+    return set(NAMED_FILE.findall(text))
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_every_file_a_page_names_exists(path: Path) -> None:
+    missing = sorted(f for f in named_files(path.read_text()) if not (REPO_ROOT / f).exists())
+    assert not missing, f"{path.name} names files that do not exist (moved or removed?): {missing}"
+
+
+def test_the_named_file_check_sees_paths_in_prose_and_code() -> None:
+    text = "see `tests/http/test_api.py`, coordinator/service/commit.py and (tests/test_gone.py); not x/tests/y.py"
+    assert named_files(text) == {"tests/http/test_api.py", "coordinator/service/commit.py", "tests/test_gone.py"}
+    assert not (REPO_ROOT / "tests/test_gone.py").exists()
+
+
 def test_the_link_check_catches_a_broken_link(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("see [the runbook](runbook.md) and [site](https://example.org) and [top](#top)")

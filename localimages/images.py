@@ -110,8 +110,9 @@ def build(image: Image, *, say=print) -> Built:  # type: ignore[no-untyped-def]
             dockerfile = (staged / "Containerfile") if staged is not None else REPO_ROOT / image.dockerfile
             arg = f"BASE={image.base.name}" if staged is not None else f"PYTHON_IMAGE={image.base.name}"
             # --no-cache: buildah's own layer cache reused a COPY whose .dockerignore'd content had
-            # changed; this module's content hash decides when to build instead
-            podman("build", "--pull=never", "--no-cache", "--build-arg", arg, "--label", f"{CONTENT_LABEL}={digest}",
+            # changed; this module's content hash decides when to build instead. --format docker keeps
+            # HEALTHCHECK and SHELL, which the OCI format drops
+            podman("build", "--pull=never", "--no-cache", "--format", "docker", "--build-arg", arg, "--label", f"{CONTENT_LABEL}={digest}",
                    "-f", str(dockerfile), "-t", image.name, str(context), timeout=3600)
     seconds = time.monotonic() - started
     say(f"localimages: built {image.name} in {seconds:.0f} s")

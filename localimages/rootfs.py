@@ -20,6 +20,9 @@ APT_SOURCES = ("/etc/apt/sources.list.d/debian.sources", "/etc/apt/sources.list"
 # documentation, man pages and translations are not needed in an image
 SLIM = ("path-exclude=/usr/share/doc/*", "path-include=/usr/share/doc/*/copyright",
         "path-exclude=/usr/share/man/*", "path-exclude=/usr/share/locale/*", "path-exclude=/usr/share/info/*")
+# update-alternatives (openjdk's postinst) fails when man1 is missing (SLIM leaves it out): there
+# while packages go in (essential hook), and in the image for those a Dockerfile adds (customize hook)
+MAN1 = 'mkdir -p "$1/usr/share/man/man1"'
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ def apt_sources() -> Path:
 
 
 def content_hash(base: DebianBase) -> str:
-    facts = {"base": [base.name, base.packages, base.customize, base.changes, SLIM],
+    facts = {"base": [base.name, base.packages, base.customize, base.changes, SLIM, MAN1],
              "sources": apt_sources().read_text(), "suite": SUITE}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -72,8 +75,7 @@ def build_base(base: DebianBase, digest: str) -> None:
         tar = Path(tmp) / "rootfs.tar"
         cmd = ["mmdebstrap", "--variant=minbase", "--quiet", "--include=" + ",".join(base.packages),
                *(f"--dpkgopt={opt}" for opt in SLIM), "--aptopt=Acquire::Retries \"3\"",
-               # update-alternatives (openjdk's postinst) fails when man1 is missing (SLIM leaves it out)
-               '--essential-hook=mkdir -p "$1/usr/share/man/man1"',
+               f"--essential-hook={MAN1}", f"--customize-hook={MAN1}",
                *([f"--customize-hook={base.customize}"] if base.customize else []),
                SUITE, str(tar), str(apt_sources())]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

@@ -50,7 +50,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     out_dir.chmod(0o777)
     port = free_port()
     env = {**_ENGINE.env, "TOTAL_RECORDS": str(TOTAL_RECORDS), "ROWS_PER_SECOND": "50",
-           "COORDINATOR_PUBLISHED_PORT": str(port), "E2E_PORT": str(port), "E2E_OUT": str(out_dir)}
+           "PUBLISHED_PORT": str(port), "E2E_PORT": str(port), "E2E_OUT": str(out_dir)}
     s = Stack(_ENGINE, f"eos-image-{uuid.uuid4().hex[:6]}", ("docker-compose.yml",), env)
     try:
         yield s

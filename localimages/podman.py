@@ -11,6 +11,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONTAINERS_CONF = REPO_ROOT / "deploy" / "local" / "containers.conf"
 CONTENT_LABEL = "eos.local.content"  # the content hash an image was built from
+CNI_PLUGIN_DIRS = ("/usr/lib/cni", "/usr/libexec/cni", "/opt/cni/bin")
 
 
 class PodmanError(RuntimeError):
@@ -48,6 +49,9 @@ def podman_problem() -> str | None:
     if info.returncode != 0:
         said = (info.stderr or info.stdout).strip().splitlines()
         return f"`podman info` failed: {said[-1] if said else info.returncode}"
+    if not any(Path(d, "dnsname").exists() for d in CNI_PLUGIN_DIRS):
+        return ("no CNI dnsname plugin (containers.conf uses CNI for its DNS): apt-get install -y "
+                "golang-github-containernetworking-plugin-dnsname")
     return None
 
 

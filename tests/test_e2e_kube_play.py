@@ -4,13 +4,17 @@ Deployment, with the ConfigMap made from coordinator.env, on the coordinator ima
 `python -m localimages`, against a Postgres of the local postgres image on one Podman network.
 
 What runs as written: the containers' args, envFrom the ConfigMap, the pod and container security
-contexts (uid 10001, read-only root filesystem, no capabilities), the /tmp emptyDir, the ports.
-What the test changes: the image name (the local build), and each secretKeyRef becomes a literal
-value (kube play here cannot read a Kubernetes Secret by reference). What does not run here: the
+contexts (uid 10001, read-only root filesystem, no capabilities), the /tmp emptyDir, the
+Deployment's replica count (one pod each). What the test changes: the image name (the local
+build); each secretKeyRef becomes a literal value (kube play here cannot read a Kubernetes Secret
+by reference); the containers' `ports` are dropped, the probes' named ports replaced by their
+numbers (kube play would publish the ports on the host, which Kubernetes does not do: the second
+replica could not bind 8000). What does not run here: the
 Service, NetworkPolicy, HorizontalPodAutoscaler, PodDisruptionBudget, ServiceMonitor and
-ServiceAccount (no cluster), more than one replica and the rolling-update strategy (kube play
-starts one pod per Deployment), and the probes as probes (Podman turns the liveness probe into a
-health check that only systemd timers would run; the test runs it and checks /readyz itself).
+ServiceAccount (no cluster), the rolling-update strategy, and the probes as probes: Podman turns
+the liveness probe into a health check `curl -f http://localhost:8000/healthz`, which only systemd
+timers would run and which needs a curl the slim image does not have; the test checks that the
+translation names /healthz and makes the liveness and readiness requests itself.
 """
 
 from __future__ import annotations
@@ -82,6 +86,11 @@ def localized(pod_spec: dict[str, Any]) -> dict[str, Any]:
         spec.pop(key, None)
     for c in spec["containers"]:
         c["image"] = IMAGE
+        named = {port["name"]: port["containerPort"] for port in c.pop("ports", []) if "name" in port}
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):  # named ports -> numbers
+            get = c.get(probe, {}).get("httpGet")
+            if get and get["port"] in named:
+                get["port"] = named[get["port"]]
         env = []
         for e in c.get("env", []):
             ref = e.get("valueFrom", {}).get("secretKeyRef")
@@ -136,25 +145,38 @@ def test_the_manifests_containers_run_under_podman_kube_play(network: str, tmp_p
     cm.write_text(yaml.safe_dump(configmap()))
     play(tmp_path, network, "deployment", [deployment], "--configmap", str(cm))
     pods = json.loads(podman("pod", "ps", "--format", "json", "--filter", f"network={network}").stdout)
-    name = next(p["Name"] for p in pods if p["Name"].startswith("coordinator-pod"))
-    ctr = f"{name}-coordinator"
-    inspected = container_state(ctr)
-    assert inspected["Config"]["User"].split(":")[0] == "10001"
-    assert inspected["HostConfig"]["ReadonlyRootfs"] is True
-    assert not inspected["EffectiveCaps"], inspected["EffectiveCaps"]
-    env = dict(e.split("=", 1) for e in inspected["Config"]["Env"])
-    assert env["COORDINATOR_MIGRATE_ON_START"] == "false" and env["COORDINATOR_WORKERS"] == "1"  # envFrom
+    names = sorted(p["Name"] for p in pods if p["Name"].startswith("coordinator-pod"))
+    assert len(names) == deployment["spec"]["replicas"], names
     ready = ("import urllib.request; r = urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=4); "
              "print(r.status, r.read().decode())")
-    deadline = time.monotonic() + 120
-    while (probe := podman("exec", ctr, "python", "-c", ready, check=False)).returncode != 0:
-        assert time.monotonic() < deadline, f"/readyz never 200: {probe.stderr[-500:]}"
-        time.sleep(2)
-    assert probe.stdout.startswith("200") and '"ready"' in probe.stdout
-    # the liveness probe, as Podman's health check of the container
-    assert podman("healthcheck", "run", ctr, check=False).returncode == 0
-    metrics = podman("exec", ctr, "python", "-c", "import urllib.request; print(urllib.request.urlopen("
-                     "'http://127.0.0.1:8000/metrics', timeout=4).read().decode())").stdout
-    assert "coordinator_recovery_leader" in metrics
-    # nothing written outside /tmp: the read-only root holds
-    assert podman("exec", ctr, "touch", "/opt/venv/x", check=False).returncode != 0
+    for name in names:
+        ctr = f"{name}-coordinator"
+        inspected = container_state(ctr)
+        assert inspected["Config"]["User"].split(":")[0] == "10001"
+        assert inspected["HostConfig"]["ReadonlyRootfs"] is True
+        assert not inspected["EffectiveCaps"], inspected["EffectiveCaps"]
+        env = dict(e.split("=", 1) for e in inspected["Config"]["Env"])
+        assert env["COORDINATOR_MIGRATE_ON_START"] == "false" and env["COORDINATOR_WORKERS"] == "1"  # envFrom
+        deadline = time.monotonic() + 120
+        while (probe := podman("exec", ctr, "python", "-c", ready, check=False)).returncode != 0:
+            assert time.monotonic() < deadline, f"/readyz never 200: {probe.stderr[-500:]}"
+            time.sleep(2)
+        assert probe.stdout.startswith("200") and '"ready"' in probe.stdout
+        # the liveness probe becomes Podman's health check `curl -f http://localhost:8000/healthz`;
+        # the image has no curl (slim), so the same request is made with Python
+        check = " ".join(inspected["Config"]["Healthcheck"]["Test"])
+        assert "http://localhost:8000/healthz" in check, check
+        alive = podman("exec", ctr, "python", "-c", ready.replace("/readyz", "/healthz"), check=False)
+        assert alive.returncode == 0 and alive.stdout.startswith("200"), alive.stderr
+        # nothing written outside /tmp: the read-only root holds
+        assert podman("exec", ctr, "touch", "/opt/venv/x", check=False).returncode != 0
+    # one recovery leader among the pods
+    deadline = time.monotonic() + 90
+    scrape = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics', timeout=4).read().decode())"
+    while True:
+        texts = [podman("exec", f"{n}-coordinator", "python", "-c", scrape).stdout for n in names]
+        leaders = [line for t in texts for line in t.splitlines() if line.startswith("coordinator_recovery_leader ")]
+        if sorted(float(x.split()[1]) for x in leaders) == [0.0] * (len(names) - 1) + [1.0]:
+            break
+        assert time.monotonic() < deadline, leaders
+        time.sleep(3)

@@ -112,8 +112,9 @@ def build(image: Image, *, say=print) -> Built:  # type: ignore[no-untyped-def]
             # --no-cache: buildah's own layer cache reused a COPY whose .dockerignore'd content had
             # changed; this module's content hash decides when to build instead. --format docker keeps
             # HEALTHCHECK and SHELL, which the OCI format drops
-            podman("build", "--pull=never", "--no-cache", "--format", "docker", "--build-arg", arg, "--label", f"{CONTENT_LABEL}={digest}",
-                   "-f", str(dockerfile), "-t", image.name, str(context), timeout=3600)
+            podman("build", "--pull=never", "--no-cache", "--format", "docker", "--build-arg", arg,
+                   "--label", f"{CONTENT_LABEL}={digest}", "-f", str(dockerfile), "-t", image.name, str(context),
+                   timeout=3600)
     seconds = time.monotonic() - started
     say(f"localimages: built {image.name} in {seconds:.0f} s")
     return Built(image, False, seconds, image_size(image.name))

@@ -15,7 +15,7 @@ COPY pyproject.toml README.md ./
 COPY coordinator ./coordinator
 COPY migrations ./migrations
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN if compgen -G '/image-inputs/wheels/*.whl' > /dev/null; then \
+RUN if ls /image-inputs/wheels/*.whl > /dev/null 2>&1; then \
       export PIP_NO_INDEX=1 PIP_FIND_LINKS=/image-inputs/wheels; fi \
  && pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/venv \

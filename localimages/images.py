@@ -94,10 +94,9 @@ def build(image: Image, *, say=print) -> Built:  # type: ignore[no-untyped-def]
         if image.kind == "stand-in":
             staged = Path(tmp) / image.dockerfile
             _stage_stand_in(image, staged)
-        if image.kind == "project":
+        if image.kind == "project":  # both Dockerfiles copy all of deploy/image-inputs/: all of it first
             inputs.ensure_wheels()
-            if "spark-job" in image.dockerfile:
-                inputs.ensure_spark_jars()
+            inputs.ensure_spark_jars()
         digest = _digest(image, staged)
         labels = image_labels(image.name)
         if labels is not None and labels.get(CONTENT_LABEL) == digest:

@@ -20,14 +20,14 @@ COPY e2e ./e2e
 COPY localkafka ./localkafka
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # hadolint ignore=DL3008
-RUN if compgen -G '/image-inputs/wheels/*.whl' > /dev/null; then \
+RUN if ls /image-inputs/wheels/*.whl > /dev/null 2>&1; then \
       export PIP_NO_INDEX=1 PIP_FIND_LINKS=/image-inputs/wheels; fi \
  && pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/venv \
  && WHEEL=$(ls /wheels/*.whl) \
  && /opt/venv/bin/pip install "${WHEEL}[spark,server]" \
  && mkdir -p /opt/spark-jars \
- && if compgen -G '/image-inputs/spark-jars/*.jar' > /dev/null; then \
+ && if ls /image-inputs/spark-jars/*.jar > /dev/null 2>&1; then \
       cp /image-inputs/spark-jars/*.jar /opt/spark-jars/; \
     else \
       apt-get update && apt-get install -y --no-install-recommends maven openjdk-17-jre-headless \

@@ -329,3 +329,20 @@ def test_dockerignore_lets_every_copied_path_into_the_context() -> None:
             if i["instruction"] == "COPY" and "--from" not in i["value"]:
                 for src in i["value"].split()[:-1]:
                     assert src.rstrip("/") in allowed, f"{dockerfile} copies {src}, which .dockerignore excludes"
+
+
+def test_every_local_image_stands_in_for_what_the_compose_files_name_by_default() -> None:
+    """localimages/ builds an image for every image variable the compose files read, and each
+    variable's default is the official image that local image stands for (Kafka: the same version)."""
+    from localimages.images import IMAGES, KAFKA_VERSION
+
+    text = "".join((REPO_ROOT / f).read_text() for f in E2E)
+    used = set(re.findall(r"\$\{([A-Z_]+_IMAGE):-", text))
+    local = {i.variable: i for i in IMAGES if i.variable}
+    assert used == set(local), (used, set(local))
+    for variable, image in local.items():
+        assert f"${{{variable}:-{image.stands_for}}}" in text, variable
+    assert local["KAFKA_IMAGE"].stands_for == f"apache/kafka:{KAFKA_VERSION}"
+    assert local["KAFKA_IMAGE"].name.endswith(f":{KAFKA_VERSION}")
+    built_by_compose = {s["image"] for s in load_compose(*COMPOSE)["services"].values() if "build" in s}
+    assert {f"localhost/{name}" for name in built_by_compose} == {i.name for i in IMAGES if i.kind == "project"}

@@ -63,8 +63,12 @@ def compose_env() -> dict[str, str]:
     return {i.variable: i.name for i in IMAGES if i.variable}
 
 
+def _image_id(name: str) -> str:
+    return podman("image", "inspect", "--format", "{{.Id}}", name, timeout=60).stdout.strip()
+
+
 def _base_id(base: rootfs.DebianBase) -> str:
-    return podman("image", "inspect", "--format", "{{.Id}}", base.name, timeout=60).stdout.strip()[:16]
+    return _image_id(base.name)[:16]
 
 
 def _stage_stand_in(image: Image, directory: Path) -> None:
@@ -114,6 +118,8 @@ def build(image: Image, *, say=print) -> Built:  # type: ignore[no-untyped-def]
             podman("build", "--pull=never", "--no-cache", "--format", "docker", "--build-arg", arg,
                    "--label", f"{CONTENT_LABEL}={digest}", "-f", str(dockerfile), "-t", image.name, str(context),
                    timeout=3600)
+    # the replaced build and the build stages: untagged images of this module's (none in use)
+    podman("image", "prune", "-f", "--filter", f"label={CONTENT_LABEL}", check=False, timeout=600)
     seconds = time.monotonic() - started
     say(f"localimages: built {image.name} in {seconds:.0f} s")
     return Built(image, False, seconds, image_size(image.name))

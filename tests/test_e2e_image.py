@@ -51,7 +51,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir.chmod(0o777)
     port = free_port()
-    env = {**engine.env, "TOTAL_RECORDS": str(TOTAL_RECORDS), "ROWS_PER_SECOND": "50",
+    env = {**engine.env, "TOTAL_RECORDS": str(TOTAL_RECORDS),
            "PUBLISHED_PORT": str(port), "E2E_PORT": str(port), "E2E_OUT": str(out_dir)}
     s = Stack(engine, f"eos-image-{uuid.uuid4().hex[:6]}", ("docker-compose.yml",), env)
     try:

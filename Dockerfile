@@ -2,20 +2,28 @@
 # Stage 1 builds the project's wheel and installs it with the server's dependencies ([server]) into a venv; stage 2
 # copies only that venv onto a slim Python. Runs as a non-root uid and writes nothing outside /tmp,
 # so it runs with a read-only root filesystem (Kubernetes readOnlyRootFilesystem, compose read_only).
+# PYTHON_IMAGE: the official python image by default; `python -m localimages` builds it on a Debian
+# base it made itself. Python packages come from PyPI, or only from deploy/image-inputs/wheels/ when
+# that holds wheels (built on the host by `python -m localimages`: nothing downloaded in the build).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-FROM python:3.11-slim-bookworm AS build
+FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
+COPY deploy/image-inputs/ /image-inputs/
 COPY pyproject.toml README.md ./
 COPY coordinator ./coordinator
 COPY migrations ./migrations
-RUN pip wheel --no-deps --wheel-dir /wheels . \
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN if ls /image-inputs/wheels/*.whl > /dev/null 2>&1; then \
+      export PIP_NO_INDEX=1 PIP_FIND_LINKS=/image-inputs/wheels; fi \
+ && pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/venv \
  && WHEEL=$(ls /wheels/*.whl) \
  && /opt/venv/bin/pip install "${WHEEL}[server]" \
  && /opt/venv/bin/python -m compileall -q /opt/venv/lib
 
-FROM python:3.11-slim-bookworm
+FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -88,6 +88,13 @@ def kafka_classpath(version: str) -> list[str]:
         _pom("kafka-server.xml"), {"kafka.version": version}, None, f"Apache Kafka {version}"))
 
 
+def kafka_image_classpath(version: str) -> list[str]:
+    """The jars of the local stand-in for the apache/kafka image (localimages/): Kafka's server,
+    its command-line tools (kafka-tools) and an slf4j binding, at `version`."""
+    return _cached(f"kafka-image-{version}", lambda: _build_classpath(
+        _pom("kafka-image.xml"), {"kafka.version": version}, None, f"Apache Kafka {version} server and tools"))
+
+
 def default_kafka_version() -> str:
     """The newest Kafka 4.x of KAFKA_VERSIONS that resolves (remembered once found)."""
     remembered = cache_dir() / "kafka-default-version"

@@ -121,10 +121,12 @@ def test_the_stack_has_its_services_on_official_pinned_images() -> None:
     assert images["coordinator"].startswith("nginx:")
     for name, image in images.items():
         assert ":" in image and not image.endswith(":latest"), f"{name}: pin the image tag ({image!r})"
-    for name in ("migrate", *REPLICAS):
-        assert services[name]["build"] == {"context": ".", "dockerfile": "Dockerfile"}
-    for name in ("spark-job", "verifier"):
-        assert services[name]["build"]["dockerfile"] == "deploy/docker/spark-job.Dockerfile"
+    # the project's images build on the official python image unless PYTHON_IMAGE names another
+    # (python -m localimages); compose's default is the Dockerfiles' own
+    for name, dockerfile in [*((n, "Dockerfile") for n in ("migrate", *REPLICAS)),
+                             *((n, "deploy/docker/spark-job.Dockerfile") for n in ("spark-job", "verifier"))]:
+        assert services[name]["build"] == {"context": ".", "dockerfile": dockerfile,
+                                           "args": {"PYTHON_IMAGE": python_image_default(dockerfile)}}
 
 
 def test_migrations_run_once_before_the_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,8 +166,17 @@ def test_one_address_balances_both_replicas(monkeypatch: pytest.MonkeyPatch) -> 
     services = load_compose(*COMPOSE)["services"]
     port = settings_from_env(compose_env(services["coordinator-1"]), monkeypatch).port
     conf = (REPO_ROOT / "deploy/compose/nginx.conf").read_text()
-    upstream = re.findall(r"^\s*server\s+([a-z0-9-]+):(\d+)\s+resolve", conf, re.M)
-    assert upstream == [(n, str(port)) for n in REPLICAS]
+    # one network alias for both replicas, resolved by nginx at request time (every address it has)
+    aliases = {n: services[n]["networks"]["default"]["aliases"] for n in REPLICAS}
+    assert aliases == {n: ["coordinator-replicas"] for n in REPLICAS}
+    name = re.search(r"^\s*set\s+\$(\w+)\s+([a-z0-9-]+);", conf, re.M)
+    assert name and name.group(2) == "coordinator-replicas"
+    assert re.search(rf"^\s*proxy_pass\s+http://\${name.group(1)}:{port};", conf, re.M)
+    # the resolver: the container's own DNS server (Docker's or Podman's), written before nginx starts
+    assert re.search(r"^\s*include\s+/tmp/nginx-resolver.conf;", conf, re.M)
+    command = services["coordinator"]["command"][0]
+    assert "/etc/resolv.conf" in command and "> /tmp/nginx-resolver.conf" in command
+    assert command.rstrip().endswith("exec nginx -g 'daemon off;'")
     listen = re.search(r"^\s*listen\s+(\d+);", conf, re.M)
     assert listen and int(listen.group(1)) == port
     assert "non_idempotent" in re.search(r"proxy_next_upstream\s+([^;]+);", conf).group(1)  # type: ignore[union-attr]
@@ -244,7 +255,8 @@ def test_the_coordinator_image_is_multi_stage_non_root_and_agrees_with_settings(
 ) -> None:
     parsed = DockerfileParser(str(REPO_ROOT / "Dockerfile")).structure
     froms = [i["value"] for i in parsed if i["instruction"] == "FROM"]
-    assert len(froms) == 2 and froms[0].endswith(" AS build") and froms[1].startswith("python:3.11-slim")
+    assert froms == ["${PYTHON_IMAGE} AS build", "${PYTHON_IMAGE}"]
+    assert python_image_default("Dockerfile").startswith("python:3.11-slim")
     # `pip install .` is the writer's client only: the service's image installs the [server] extra
     assert '[server]"' in " ".join(i["value"] for i in parsed if i["instruction"] == "RUN")
     final = stage("Dockerfile")
@@ -268,11 +280,20 @@ def test_the_coordinator_image_is_multi_stage_non_root_and_agrees_with_settings(
         assert (REPO_ROOT / src).exists(), src
 
 
+def python_image_default(dockerfile: str) -> str:
+    """The default of the Dockerfile's `ARG PYTHON_IMAGE=...` (before its first FROM)."""
+    parsed = DockerfileParser(str(REPO_ROOT / dockerfile)).structure
+    args = [i["value"] for i in parsed if i["instruction"] == "ARG" and i["value"].startswith("PYTHON_IMAGE=")]
+    assert len(args) == 1, args
+    return args[0].split("=", 1)[1]
+
+
 def test_the_job_image_has_java_17_and_the_spark_extra() -> None:
     parsed = DockerfileParser(str(REPO_ROOT / "deploy/docker/spark-job.Dockerfile")).structure
     runs = " ".join(i["value"] for i in parsed if i["instruction"] == "RUN")
     assert "openjdk-17-jre-headless" in runs and "procps" in runs  # pkill for the executor kills
     assert "[spark,server]" in runs  # pyspark, and the wire client the verifier lists transactions with
+    assert python_image_default("deploy/docker/spark-job.Dockerfile") == python_image_default("Dockerfile")
     final = stage("deploy/docker/spark-job.Dockerfile")
     by = {i["instruction"]: i["value"] for i in final}
     assert by["CMD"] == '["python", "-m", "sparkclient.example_job"]'
@@ -308,3 +329,20 @@ def test_dockerignore_lets_every_copied_path_into_the_context() -> None:
             if i["instruction"] == "COPY" and "--from" not in i["value"]:
                 for src in i["value"].split()[:-1]:
                     assert src.rstrip("/") in allowed, f"{dockerfile} copies {src}, which .dockerignore excludes"
+
+
+def test_every_local_image_stands_in_for_what_the_compose_files_name_by_default() -> None:
+    """localimages/ builds an image for every image variable the compose files read, and each
+    variable's default is the official image that local image stands for (Kafka: the same version)."""
+    from localimages.images import IMAGES, KAFKA_VERSION
+
+    text = "".join((REPO_ROOT / f).read_text() for f in E2E)
+    used = set(re.findall(r"\$\{([A-Z_]+_IMAGE):-", text))
+    local = {i.variable: i for i in IMAGES if i.variable}
+    assert used == set(local), (used, set(local))
+    for variable, image in local.items():
+        assert f"${{{variable}:-{image.stands_for}}}" in text, variable
+    assert local["KAFKA_IMAGE"].stands_for == f"apache/kafka:{KAFKA_VERSION}"
+    assert local["KAFKA_IMAGE"].name.endswith(f":{KAFKA_VERSION}")
+    built_by_compose = {s["image"] for s in load_compose(*COMPOSE)["services"].values() if "build" in s}
+    assert {f"localhost/{name}" for name in built_by_compose} == {i.name for i in IMAGES if i.kind == "project"}

@@ -3,15 +3,15 @@
 # [spark] gives pyspark; [server] the Kafka wire client the verifier lists open transactions with.
 # PySpark needs a Java 17 runtime: Debian bookworm's openjdk-17-jre-headless. procps gives the e2e
 # suite `pkill` to kill a PySpark Python worker (an executor task's process) inside the container.
+# PYTHON_IMAGE, deploy/image-inputs/: as in the coordinator's Dockerfile. Spark's Kafka connector
+# comes from deploy/image-inputs/spark-jars/ when it holds jars (resolved by Maven on the host),
+# otherwise Maven resolves it here through localkafka's pom.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-FROM python:3.11-slim-bookworm AS build
+FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
-# Maven resolves Spark's Kafka connector (the example job's Kafka source) through localkafka's pom
-# hadolint ignore=DL3008
-RUN apt-get update \
- && apt-get install -y --no-install-recommends maven openjdk-17-jre-headless \
- && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
+COPY deploy/image-inputs/ /image-inputs/
 COPY pyproject.toml README.md ./
 COPY coordinator ./coordinator
 COPY migrations ./migrations
@@ -19,14 +19,22 @@ COPY sparkclient ./sparkclient
 COPY e2e ./e2e
 COPY localkafka ./localkafka
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN pip wheel --no-deps --wheel-dir /wheels . \
+# hadolint ignore=DL3008
+RUN if ls /image-inputs/wheels/*.whl > /dev/null 2>&1; then \
+      export PIP_NO_INDEX=1 PIP_FIND_LINKS=/image-inputs/wheels; fi \
+ && pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/venv \
  && WHEEL=$(ls /wheels/*.whl) \
  && /opt/venv/bin/pip install "${WHEEL}[spark,server]" \
  && mkdir -p /opt/spark-jars \
- && /opt/venv/bin/python -m localkafka classpath spark | xargs -I{} cp {} /opt/spark-jars/
+ && if ls /image-inputs/spark-jars/*.jar > /dev/null 2>&1; then \
+      cp /image-inputs/spark-jars/*.jar /opt/spark-jars/; \
+    else \
+      apt-get update && apt-get install -y --no-install-recommends maven openjdk-17-jre-headless \
+      && /opt/venv/bin/python -m localkafka classpath spark | xargs -I{} cp {} /opt/spark-jars/; \
+    fi
 
-FROM python:3.11-slim-bookworm
+FROM ${PYTHON_IMAGE}
 # not pinned to Debian revisions (DL3008): bookworm's security updates replace them
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -62,48 +62,51 @@ def pg_settings(url: str) -> dict[str, str]:
 
 
 def seed_history(url: str, tag: str, checkpoints: int, partitions: int = 4, ids: int = 0) -> float:
-    """A retired sink's history of `checkpoints` committed batches (an attempt with `partitions`
-    first tries, as lease rows for one batch in ten, and an event each) and `ids` free transactional ids (standing for other sinks' pools),
-    then ANALYZE: the tables a running deployment has, not empty ones.
-    On near-empty tables Postgres plans prepared statements with sequential scans, and keeps those
-    generic plans until (auto)vacuum or ANALYZE next touches the table: a fresh database's first
-    minutes, not the steady state the benchmark measures. Returns the seconds it took."""
+    """A retired sink's history of `checkpoints` committed batches (an attempt, `partitions`
+    committed leases with their records, and the decision's event each) and `ids` more pool
+    ordinals of a second retired sink (standing for other sinks' pools and quarantines: one
+    quarantined id per ten), then VACUUM ANALYZE: the tables a running deployment has, not empty
+    ones. On near-empty tables Postgres plans statements for near-empty tables. The rows follow the
+    rebuilt schema (coordinator/store/tables.py); tests/bench checks the invariants hold on them.
+    Returns the seconds it took."""
     import psycopg
 
     t0 = time.monotonic()
     name = f"bench-history-{tag}"
     with psycopg.connect(plain_url(url), autocommit=False) as conn:
-        (sink_id,) = conn.execute(
-            "INSERT INTO sinks (name, transactional_id_prefix, bootstrap_servers, topics, transaction_timeout_ms, "
-            "commit_margin_ms, max_pool_size, generation, lineage_query_id, created_at, retired_at) "
-            "VALUES (%s, %s, 'localhost:9', '[\"history\"]', 60000, 10000, %s, 1, 'history', now(), now()) "
-            "RETURNING id", (name, name + ".", partitions)).fetchone()
+        sink_ids = []
+        for n, pool in ((name, partitions), (name + "-ids", ids)):
+            (sink_id,) = conn.execute(
+                "INSERT INTO sinks (name, transactional_id_prefix, bootstrap_servers, topics, transaction_timeout_ms, "
+                "commit_margin_ms, max_pool_size, generation, lineage_query_id, created_at, retired_at) "
+                "VALUES (%s, %s, 'localhost:9', '[\"history\"]', 60000, 25000, %s, 1, 'history', now(), now()) "
+                "RETURNING id", (n, n + ".", max(pool, 1))).fetchone()
+            conn.execute("INSERT INTO id_pools (sink_id, size, cursor) VALUES (%s, %s, 0)", (sink_id, pool))
+            sink_ids.append(sink_id)
+        sink_id = sink_ids[0]
+        conn.execute("INSERT INTO generations (sink_id, generation, query_id, run_id, started_at) "
+                     "VALUES (%s, 1, 'history', 'history', now())", (sink_id,))
+        conn.execute(
+            "INSERT INTO quarantined_ids (sink_id, ordinal, until) "
+            "SELECT %s, g, now() - interval '1 hour' FROM generate_series(0, %s - 1, 10) g", (sink_ids[1], ids))
         conn.execute(
             "INSERT INTO checkpoints (sink_id, query_id, batch_id, state, current_attempt, committed_attempt, "
             "created_at, decided_at, committed_at) "
             "SELECT %s, 'history', g, 'COMMITTED', 1, 1, now(), now(), now() FROM generate_series(1, %s) g",
             (sink_id, checkpoints))
-        # the common path's history: each batch's first tries on its attempt row (migration 0012) ...
         conn.execute(
             "INSERT INTO attempts (checkpoint_id, sink_id, number, generation, state, partitions, started_at, "
-            "decided_at, finished_at, job_ms, first_tids, first_deadline_at, first_records) "
-            "SELECT id, sink_id, 1, 1, 'COMMITTED', %(p)s, now(), now(), now(), 5, "
-            "ARRAY(SELECT %(prefix)s || p FROM generate_series(0, %(p)s - 1) p), now(), "
-            "(SELECT json_agg(json_build_array(1000 + p, 0, 100, 10000, 5, '[[\"history\",0,0]]'::json) "
-            " ORDER BY p) FROM generate_series(0, %(p)s - 1) p) "
-            "FROM checkpoints WHERE sink_id = %(sink)s",
+            "decided_at, finished_at, job_ms) "
+            "SELECT id, sink_id, 1, 1, 'COMMITTED', %s, now(), now(), now(), 5 FROM checkpoints WHERE sink_id = %s",
+            (partitions, sink_id))
+        conn.execute(
+            "INSERT INTO leases (sink_id, checkpoint_id, attempt_id, partition, task_attempt_id, ordinal, "
+            "transactional_id, state, taken_at, leased_at, deadline_at, producer_id, producer_epoch, records, bytes, "
+            "write_ms, first_offsets, resolved_at) "
+            "SELECT a.sink_id, a.checkpoint_id, a.id, p, a.id * %(p)s + p, p, %(prefix)s || p, 'COMMITTED', now(), "
+            "now(), now() + interval '1 minute', 1000 + p, 0, 100, 10000, 5, '[[\"history\", 0, 0]]', now() "
+            "FROM attempts a CROSS JOIN generate_series(0, %(p)s - 1) p WHERE a.sink_id = %(sink)s",
             {"p": partitions, "prefix": name + ".", "sink": sink_id})
-        # ... and one batch in ten whose first tries became lease rows (a retry, an abort)
-        conn.execute(
-            "WITH copied AS (INSERT INTO lease_rows SELECT id, sink_id, checkpoint_id, attempt_id, partition, "
-            "task_attempt_id, transactional_id, state, leased_at, deadline_at, producer_id, producer_epoch, records, "
-            "bytes, precommitted_at, resolved_at, write_ms, first_offsets FROM first_try_leases "
-            "WHERE sink_id = %(sink)s AND attempt_id %% 10 = 0) "
-            "UPDATE attempts SET first_tids = NULL, first_deadline_at = NULL, first_records = NULL "
-            "WHERE sink_id = %(sink)s AND id %% 10 = 0", {"sink": sink_id})
-        conn.execute(
-            "INSERT INTO transactional_ids (sink_id, ordinal, transactional_id, state, released_at) "
-            "SELECT %s, g, %s || g, 'FREE', now() FROM generate_series(1, %s) g", (sink_id, name + ".", ids))
         conn.execute(
             "INSERT INTO events (sink_id, checkpoint_id, at, kind, actor, detail) "
             "SELECT sink_id, id, now(), 'commit_decided', 'history', '{}' FROM checkpoints WHERE sink_id = %s",
@@ -225,24 +228,30 @@ def _descendants(table: dict[int, tuple[int, str, int]], root: int) -> set[int]:
     return seen
 
 
-def cpu_snapshot(server_pid: int | None, postgres_pid: int | None) -> dict[str, float]:
+PARTIES = ("postgres", "server", "broker", "bench")
+
+
+def cpu_snapshot(server_pid: int | None, postgres_pid: int | None, broker_pid: int | None = None) -> dict[str, float]:
     """CPU ticks so far by who: our Postgres (the embedded server's process tree, or every process
-    named postgres for an external URL), the HTTP server's processes, this benchmark (itself and its
-    load processes); plus the machine's busy and total ticks. Everything else the machine did
-    (other tenants, exited processes) is the busy time none of these account for."""
+    named postgres for an external URL), the HTTP server's processes, the Kafka broker's, this
+    benchmark (itself and its load processes); plus the machine's busy and total ticks. Everything
+    else the machine did (other tenants, exited processes) is the busy time none of these account for."""
     table = _proc_table()
     server = _descendants(table, server_pid) if server_pid else set()
+    broker = _descendants(table, broker_pid) if broker_pid else set()
     if postgres_pid:
         pg = _descendants(table, postgres_pid)
     else:
         pg = {pid for pid, (_, comm, _) in table.items() if comm == "postgres"}
-    mine = _descendants(table, os.getpid()) - server - pg
-    snap = {"postgres": 0.0, "server": 0.0, "bench": 0.0}
+    mine = _descendants(table, os.getpid()) - server - pg - broker
+    snap = dict.fromkeys(PARTIES, 0.0)
     for pid, (_, _, ticks) in table.items():
         if pid in pg:
             snap["postgres"] += ticks
         elif pid in server:
             snap["server"] += ticks
+        elif pid in broker:
+            snap["broker"] += ticks
         elif pid in mine:
             snap["bench"] += ticks
     with open("/proc/stat") as f:
@@ -256,11 +265,11 @@ def cpu_snapshot(server_pid: int | None, postgres_pid: int | None) -> dict[str, 
 def cpu_delta(a: dict[str, float], b: dict[str, float], wall: float) -> dict[str, float]:
     """Cores used by each party over the window; `other` is the machine's remaining busy time
     (other processes on this shared machine); and the machine's busy percentage."""
-    out = {k: (b[k] - a[k]) / CLK_TCK / wall for k in ("postgres", "server", "bench")}
+    out = {k: (b[k] - a[k]) / CLK_TCK / wall for k in PARTIES}
     total = b["machine_total"] - a["machine_total"]
     ncpu = os.cpu_count() or 1
     busy_cores = (b["machine_busy"] - a["machine_busy"]) / total * ncpu if total else 0.0
-    out["other"] = max(0.0, busy_cores - out["postgres"] - out["server"] - out["bench"])
+    out["other"] = max(0.0, busy_cores - sum(out[k] for k in PARTIES))
     out["machine_busy_pct"] = 100.0 * busy_cores / ncpu
     return out
 
@@ -273,30 +282,24 @@ _IDLE = TransactionStatus.IDLE
 
 class SqlCounter:
     """Counts the statements an engine sends, its pool checkouts, and the round trips to Postgres:
-    each SQLAlchemy statement, plus the BEGIN psycopg sends before a transaction's first SQLAlchemy
-    statement, plus each send of the driver's statements (`driver_sql._execute`: one round trip
-    for the statements it runs together, with a BEGIN and a COMMIT they carry), plus the COMMIT or
-    ROLLBACK that ends a transaction still open (one a driver statement committed with itself has
-    nothing left to end)."""
+    each statement, plus the BEGIN psycopg sends before a transaction's first statement, plus the
+    COMMIT or ROLLBACK that ends a transaction."""
 
     def __init__(self, engine: Any) -> None:
         from sqlalchemy import event
 
-        self.statements = self.sqlalchemy_statements = self.checkouts = self.begins = self.ends = self.driver_sends = 0
+        self.statements = self.checkouts = self.begins = self.ends = 0
         event.listen(engine, "before_cursor_execute", self._statement)
         event.listen(engine, "checkout", self._checkout)
         event.listen(engine, "commit", self._end)
         event.listen(engine, "rollback", self._end)
         event.listen(engine.pool, "reset", self._reset)
-        _count_driver_sends(self)
 
-    def _statement(self, conn: Any, cursor: Any, *_: Any) -> None:
+    def _statement(self, conn: Any, *_: Any) -> None:
         self.statements += 1
         raw = conn.connection.driver_connection
-        if cursor is not None:
-            self.sqlalchemy_statements += 1
-            if not raw.autocommit and raw.pgconn.transaction_status == _IDLE:
-                self.begins += 1
+        if not raw.autocommit and raw.pgconn.transaction_status == _IDLE:
+            self.begins += 1
 
     def _checkout(self, *_: Any) -> None:
         self.checkouts += 1
@@ -309,40 +312,10 @@ class SqlCounter:
             self.ends += 1
 
     def reset(self) -> None:
-        self.statements = self.sqlalchemy_statements = self.checkouts = self.begins = self.ends = self.driver_sends = 0
+        self.statements = self.checkouts = self.begins = self.ends = 0
 
     def round_trips(self) -> int:
-        return self.sqlalchemy_statements + self.driver_sends + self.begins + self.ends
-
-    def close(self) -> None:
-        """Stop counting the driver's sends (the last counter of the process unwraps them)."""
-        from coordinator.store import driver_sql
-
-        _driver_counters.remove(self)
-        if not _driver_counters:
-            driver_sql._execute = driver_sql._execute.unwrapped
-
-
-_driver_counters: list[SqlCounter] = []
-
-
-def _count_driver_sends(counter: SqlCounter) -> None:
-    """Count each send of driver statements (a stale session's check of what it prepared is one
-    more) into every SqlCounter of this process: `driver_sql._execute` wrapped once."""
-    from coordinator.store import driver_sql
-
-    _driver_counters.append(counter)
-    if getattr(driver_sql._execute, "counted", False):
-        return
-    execute = driver_sql._execute
-
-    def counted(session: Any, statements: Any, commit: bool) -> Any:
-        for c in _driver_counters:
-            c.driver_sends += 1 + session.stale
-        return execute(session, statements, commit)
-
-    counted.counted, counted.unwrapped = True, execute  # type: ignore[attr-defined]
-    driver_sql._execute = counted
+        return self.statements + self.begins + self.ends
 
 
 # --- latency -----------------------------------------------------------------------------------
@@ -397,28 +370,24 @@ def floor(url: str, seconds: float, threads: int) -> dict[str, float]:
 
 
 def statement_cost(url: str, n: int = 1000) -> dict[str, float]:
-    """CPU µs of this process per one-row SELECT by primary key, the same query four ways: a cached
-    SQLAlchemy Core statement (as the store runs its other statements), a `DriverStatement` (as the
-    store runs its hot statements: libpq, prepared once), psycopg's cursor on the connection
-    under SQLAlchemy, raw psycopg. What a statement costs the coordinator beyond Postgres."""
+    """CPU µs of this process per one-row SELECT by primary key, the same query three ways: a cached
+    SQLAlchemy Core statement (as the store runs every statement), psycopg's cursor on the
+    connection under SQLAlchemy, raw psycopg. What a statement costs the coordinator beyond Postgres."""
     import psycopg
     from sqlalchemy import bindparam, column, select, table
 
     from coordinator.store.db import make_engine
-    from coordinator.store.driver_sql import DriverStatement
 
     floor_table = table("bench_floor", column("id"), column("n"))
     stmt = select(floor_table.c.id, floor_table.c.n).where(floor_table.c.id == bindparam("id"))
     sql = "SELECT id, n FROM bench_floor WHERE id = %s"
     out = {}
-    hot = DriverStatement("SELECT id, n FROM bench_floor WHERE id = :id")
     engine = make_engine(url, pool_size=1)
     try:
         with engine.connect() as conn:
             driver = conn.connection.driver_connection
             for name, run in (
                 ("sqlalchemy_us", lambda: conn.execute(stmt, {"id": 0}).first()),
-                ("driver_statement_us", lambda: hot.one(conn, {"id": 0})),
                 ("driver_us", lambda: driver.execute(sql, (0,), prepare=True).fetchone()),
             ):
                 for _ in range(50):
@@ -470,7 +439,7 @@ def parse_figure_line(line: str) -> tuple[str, dict[str, str]]:
 def cpu_seconds(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     """CPU seconds each party of cpu_snapshot used between two snapshots (not per wall second:
     what a fixed amount of work cost, whatever else the machine did meanwhile)."""
-    return {k: (b[k] - a[k]) / CLK_TCK for k in ("postgres", "server", "bench")}
+    return {k: (b[k] - a[k]) / CLK_TCK for k in PARTIES}
 
 
 def postgres_pid_under(directory: Path) -> int | None:

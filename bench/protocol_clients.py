@@ -1,8 +1,13 @@
-"""The protocol benchmark's clients: the same protocol calls made in process (on `Coordinator`) or
-over HTTP (to `coordinator serve`), the sinks they write to, and the server as deployed."""
+"""The protocol benchmark's clients: the protocol's calls made in process (on `Coordinator`) or over
+HTTP (to `coordinator serve`), the sinks they write to, and the server as deployed.
+
+Both clients speak the rebuilt coordinator's protocol and, for bench/compare_checkouts.py, the one
+before it (main at 99d89b6: begin answered the pre-leases' ids, a record carried no
+task_attempt_id). Which one a coordinator speaks is read from it, never configured."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import signal
@@ -18,6 +23,7 @@ import pydantic_core
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
 class Rejected(Exception):
     """A protocol call answered with an error (counted by reason, the run goes on)."""
 
@@ -28,15 +34,24 @@ class Rejected(Exception):
 
 class Begun(NamedTuple):
     attempt: int | None  # None: the batch is already committed
-    pre_leases: list[tuple[int, int]]  # (partition, lease id) of each first try, in the two-call protocol
+    pre_leased: int  # partitions whose first try's id begin took
+    # (partition, lease id, transactional id) of each pre-lease, when begin names them (the code
+    # before the rebuild: its first tries write without a lease call)
+    pre_leases: list[tuple[int, int, str]]
+
+
+class Granted(NamedTuple):
+    lease_id: int
+    transactional_id: str
 
 
 class Record(NamedTuple):
-    """A task's pre-commit record (what its flushed transaction holds), with the figures and first
-    offsets the writer's executor reports: one [topic, partition, offset] per topic-partition its
-    transaction wrote."""
+    """A task try's pre-commit record, with the figures and first offsets the writer's executor
+    reports: one [topic, partition, offset] per topic-partition its transaction wrote."""
 
+    task_attempt_id: int
     producer_id: int
+    producer_epoch: int
     records: int
     write_ms: int | None = None
     first_offsets: list[list[Any]] | None = None
@@ -47,46 +62,37 @@ class InprocessSink:
         self.c = coordinator
         self.name = name
         self.actor = f"writer:{name}"
+        # the rebuilt coordinator: every try asks for its lease, a record names its try
+        self.claims = hasattr(coordinator, "lease")
 
     def start_generation(self, query_id: str, run_id: str) -> int:
         gen, _ = self.c.start_generation(self.name, query_id, run_id, self.actor)
         return gen
 
-    @property
-    def pre_leases(self) -> bool:
-        """Whether this coordinator's begin pre-leases the first tries' ids (the two-call protocol)."""
-        import inspect
-
-        return "partitions" in inspect.signature(self.c.begin_checkpoint).parameters
-
     def begin(self, batch_id: int, generation: int, partitions: int | None = None) -> Begun:
         extra = {} if partitions is None else {"partitions": partitions}
         r = self.c.begin_checkpoint(self.name, batch_id, generation, self.actor, **extra)
         if not r.must_write:
-            return Begun(None, [])
-        return Begun(r.attempt.number, [(x.partition, x.id) for x in getattr(r, "pre_leases", [])])
+            return Begun(None, 0, [])
+        named = [(x.partition, x.id, x.transactional_id) for x in getattr(r, "pre_leases", [])]
+        return Begun(r.attempt.number, getattr(r, "pre_leased", len(named)), named)
 
-    def lease(self, batch_id: int, attempt: int, generation: int, partition: int, task_attempt_id: int) -> int:
-        return self.c.begin_partition(self.name, batch_id, attempt, generation, partition, task_attempt_id).id
-
-    def precommit(self, lease_id: int, generation: int, producer_id: int, records: int) -> None:
-        from coordinator.protocol.rules import PrecommitRequest
-
-        self.c.precommit(self.name, lease_id, generation, PrecommitRequest(producer_id, 0, records, records * 100))
+    def lease(self, batch_id: int, attempt: int, generation: int, partition: int, task_attempt_id: int) -> Granted:
+        lease = self.c.begin_partition(self.name, batch_id, attempt, generation, partition, task_attempt_id)
+        return Granted(lease.id, lease.transactional_id)
 
     def commit(self, batch_id: int, attempt: int, generation: int, winners: list[tuple[int, int]],
-               records: list[Record] | None = None) -> int:
-        """Name the winners; with `records` (the two-call protocol) each carries its pre-commit record."""
-        from coordinator.protocol.model import PartitionResult
+               records: list[Record]) -> int:
+        """Name the winners, each with its pre-commit record; the number of winners committed."""
+        from coordinator.protocol.model import PartitionResult, PrecommitRecord
 
-        if records is None:
-            results = [PartitionResult(p, lid) for p, lid in winners]
-        else:
-            from coordinator.protocol.model import PrecommitRecord
+        claims = self.claims
 
-            results = [PartitionResult(p, lid, PrecommitRecord(r.producer_id, 0, r.records, r.records * 100,
-                                                               r.write_ms, r.first_offsets))
-                       for (p, lid), r in zip(winners, records)]
+        def record(r: Record) -> Any:
+            fields = (r.producer_id, r.producer_epoch, r.records, r.records * 100, r.write_ms, r.first_offsets)
+            return PrecommitRecord(r.task_attempt_id, *fields) if claims else PrecommitRecord(*fields)
+
+        results = [PartitionResult(p, lid, record(r)) for (p, lid), r in zip(winners, records)]
         return len(self.c.commit(self.name, batch_id, attempt, generation, results, self.actor).winners)
 
 
@@ -95,15 +101,12 @@ class HttpSink:
     generator shares the 2 cores with the server, so every millisecond of its CPU is one the
     server does not get. Each request's head is the same but for its path and length, and an
     answer is read by its Content-Length (uvicorn answers every call so); bodies are encoded and
-    parsed by pydantic's core. The standard library's http.client and json cost 2-3x the CPU (0.9
-    against 0.3-0.4 ms per two-partition batch, ~5 against 2.4-3.3 ms per 200-partition one);
-    httpx ~1 ms more per call."""
+    parsed by pydantic's core (the standard library's http.client and json cost 2-3x its CPU)."""
 
     def __init__(self, base_url: str, name: str, token: str) -> None:
         import urllib.parse
 
         self.name = name
-        self.base = f"{base_url}/v1/sinks/{name}"
         parts = urllib.parse.urlsplit(base_url)
         self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 80
         self._path = f"/v1/sinks/{name}"
@@ -111,11 +114,12 @@ class HttpSink:
                       "Content-Type: application/json\r\n").encode()
         self._local = threading.local()
         self._connections: list[socket.socket] = []
+        self._claims: bool | None = None
 
     def _connection(self) -> tuple[socket.socket, bytearray]:
         c = getattr(self._local, "connection", None)
         if c is None:
-            s = socket.create_connection((self._host, self._port), timeout=60.0)
+            s = socket.create_connection((self._host, self._port), timeout=120.0)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             c = self._local.connection = (s, bytearray())
             self._connections.append(s)
@@ -147,9 +151,8 @@ class HttpSink:
             try:
                 status, answer, keep = self._exchange(request)
             except ConnectionError:
-                # the server closed (or reset) an idle keep-alive connection as we reused it
-                # (uvicorn's 5 s keep-alive timeout, reached when a slow batch leaves an executor's
-                # connection idle): protocol calls are safe to retry, as the writer's client does
+                # the server closed an idle keep-alive connection as we reused it (uvicorn's 5 s
+                # keep-alive timeout): protocol calls are safe to retry, as the writer's client does
                 self._drop()
                 if attempt:
                     raise
@@ -177,11 +180,14 @@ class HttpSink:
         return answer
 
     @property
-    def pre_leases(self) -> bool:
-        """Whether the server's begin takes a partition count (the two-call protocol)."""
-        status, raw = self._request("GET", "/openapi.json", None)
-        schema = pydantic_core.from_json(raw)
-        return "partitions" in schema["components"]["schemas"]["BeginCheckpointRequest"]["properties"]
+    def claims(self) -> bool:
+        """Whether the server is the rebuilt coordinator (begin answers a pre-lease count, a record
+        names its try), read once from its OpenAPI document."""
+        if self._claims is None:
+            _, raw = self._request("GET", "/openapi.json", None)
+            schema = pydantic_core.from_json(raw)
+            self._claims = "pre_leased" in schema["components"]["schemas"]["BeginOut"]["properties"]
+        return self._claims
 
     def close(self) -> None:
         for c in self._connections:
@@ -196,29 +202,38 @@ class HttpSink:
             body["partitions"] = partitions
         r = self._post(f"/checkpoints/{batch_id}/begin", body)
         if r["action"] != "write":
-            return Begun(None, [])
-        return Begun(r["attempt"], [(x["partition"], x["lease_id"]) for x in r.get("pre_leases", [])])
+            return Begun(None, 0, [])
+        named = [(x["partition"], x["lease_id"], x["transactional_id"]) for x in r.get("pre_leases", [])]
+        return Begun(r["attempt"], r.get("pre_leased", len(named)), named)
 
-    def lease(self, batch_id: int, attempt: int, generation: int, partition: int, task_attempt_id: int) -> int:
+    def lease(self, batch_id: int, attempt: int, generation: int, partition: int, task_attempt_id: int) -> Granted:
         body = {"generation": generation, "partition": partition, "task_attempt_id": task_attempt_id}
-        return self._post(f"/checkpoints/{batch_id}/attempts/{attempt}/leases", body)["lease_id"]
-
-    def precommit(self, lease_id: int, generation: int, producer_id: int, records: int) -> None:
-        body = {"generation": generation, "producer_id": producer_id, "producer_epoch": 0,
-                "records": records, "bytes": records * 100}
-        self._post(f"/leases/{lease_id}/precommit", body)
+        r = self._post(f"/checkpoints/{batch_id}/attempts/{attempt}/leases", body)
+        return Granted(r["lease_id"], r["transactional_id"])
 
     def commit(self, batch_id: int, attempt: int, generation: int, winners: list[tuple[int, int]],
-               records: list[Record] | None = None) -> int:
+               records: list[Record]) -> int:
         parts = [{"partition": p, "lease_id": lid} for p, lid in winners]
-        for part, r in zip(parts, records or []):
-            part.update(producer_id=r.producer_id, producer_epoch=0, records=r.records, bytes=r.records * 100,
-                        write_ms=r.write_ms, first_offsets=r.first_offsets)
+        claims = self.claims
+        for part, r in zip(parts, records):
+            if claims:
+                part["task_attempt_id"] = r.task_attempt_id
+            part.update(producer_id=r.producer_id, producer_epoch=r.producer_epoch, records=r.records,
+                        bytes=r.records * 100, write_ms=r.write_ms, first_offsets=r.first_offsets)
         body = {"generation": generation, "partitions": parts}
         return len(self._post(f"/checkpoints/{batch_id}/attempts/{attempt}/commit", body)["committed"])
 
 
 # --- sinks, server ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KafkaSide:
+    """Where a run's sinks write when the coordinator runs the real control plane."""
+
+    bootstrap: str
+    topic: str
+    topic_partitions: int
 
 
 def sink_names(tag: str, mode: str, partitions: int, drivers: int) -> list[str]:
@@ -243,14 +258,16 @@ def register_inprocess(url: str, names: list[str]) -> list[dict[str, str]]:
     return [{"name": n} for n in names]
 
 
-def register_http(base_url: str, admin_token: str, names: list[str]) -> list[dict[str, str]]:
+def register_http(base_url: str, admin_token: str, names: list[str],
+                  kafka: KafkaSide | None = None) -> list[dict[str, str]]:
     import httpx
 
+    bootstrap, topic = (kafka.bootstrap, kafka.topic) if kafka else ("localhost:9092", "bench")
     out = []
-    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {admin_token}"}, timeout=60) as c:
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {admin_token}"}, timeout=120) as c:
         for n in names:
             r = c.post("/v1/sinks", json={"name": n, "transactional_id_prefix": f"tx-{n}",
-                                          "bootstrap_servers": "localhost:9092", "topics": ["bench"]})
+                                          "bootstrap_servers": bootstrap, "topics": [topic]})
             r.raise_for_status()
             out.append({"name": n, "token": r.json()["writer_token"]})
     return out
@@ -264,26 +281,30 @@ def free_port() -> int:
 
 class Server:
     """`coordinator serve` (the production entry point: migrate, then uvicorn with --workers) in a
-    subprocess of its own process group, record-only Kafka control plane."""
+    subprocess of its own process group, from the checkout `code` (default: this one), with the
+    record-only Kafka control plane ("none") or the real one ("kafka"), and any further settings
+    as environment variables."""
 
-    def __init__(self, url: str, workers: int, pool_size: int, log_level: str, log_path: Path) -> None:
+    def __init__(self, url: str, workers: int, pool_size: int, log_level: str, log_path: Path, *,
+                 control_plane: str = "none", code: Path = ROOT, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.admin_token = secrets.token_urlsafe(24)
-        env = dict(os.environ)
-        env.update({
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("COORDINATOR_")}
+        environ.update({
             "COORDINATOR_DATABASE_URL": url,
             "COORDINATOR_ADMIN_TOKEN": self.admin_token,
-            "COORDINATOR_KAFKA_CONTROL_PLANE": "none",
+            "COORDINATOR_KAFKA_CONTROL_PLANE": control_plane,
             "COORDINATOR_DB_POOL_SIZE": str(pool_size),
             "COORDINATOR_LOG_LEVEL": log_level,
-            "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+            "PYTHONPATH": str(code),
+            **(env or {}),
         })
         self.log_file = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--workers", str(workers)],
-            env=env, cwd=str(ROOT), stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            env=environ, cwd=str(code), stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self.log_path = log_path
         # uvicorn logs each worker's "Application startup complete" at info
@@ -293,7 +314,7 @@ class Server:
         """Until /readyz answers, then until the log shows `workers` workers started."""
         import httpx
 
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"coordinator serve exited ({self.proc.returncode}); see {self.log_path}")
@@ -304,7 +325,7 @@ class Server:
                 pass
             time.sleep(0.2)
         else:
-            raise RuntimeError(f"coordinator serve not ready after 90 s; see {self.log_path}")
+            raise RuntimeError(f"coordinator serve not ready after 120 s; see {self.log_path}")
         deadline = time.monotonic() + 60
         while self.log_path.read_bytes().count(b"Application startup complete") < workers:
             if time.monotonic() > deadline:

@@ -20,11 +20,14 @@ from measure import (
     SqlCounter, WaitSampler, cpu_delta, cpu_snapshot, log, percentile, pg_counters, plain_url, table_writes,
     table_writes_per,
 )
-from protocol_clients import HttpSink, InprocessSink, Record, Rejected
+from protocol_clients import Begun, HttpSink, InprocessSink, Record, Rejected
 
-from sparkclient.executor import FIRST_OFFSETS_REPORTED
-
-CALLS = ("begin", "lease", "precommit", "commit", "cycle")
+# the protocol's calls, then what else a batch's timeline holds: a task's Kafka transaction (kafka
+# mode) and the whole batch
+CALLS = ("begin", "lease", "commit")
+TIMINGS = (*CALLS, "task_txn", "cycle")
+FIRST_OFFSETS = 4  # first offsets a task's record names (the writer's FIRST_OFFSETS_REPORTED)
+CLASSIC, SAME_CALLS = "classic", "same-calls"  # the batch's path (see _run_driver)
 
 
 class Stats:
@@ -33,7 +36,7 @@ class Stats:
 
     def __init__(self, t_start: float, t_end: float) -> None:
         self.t_start, self.t_end = t_start, t_end
-        self.samples: dict[str, list[float]] = {k: [] for k in CALLS}
+        self.samples: dict[str, list[float]] = {k: [] for k in TIMINGS}
         self.cycles = 0
         self.calls = 0  # protocol calls of the cycles counted in `cycles`
         self.cycles_total = 0
@@ -57,70 +60,82 @@ class Stats:
 
 def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPoolExecutor, stats: Stats,
                 progress: Any, driver_no: int, primed: threading.Barrier, started: threading.Event,
-                topic_partitions: int, pace: tuple[float, float] | None) -> None:
+                topic_partitions: int, pace: tuple[float, float] | None, path: str, txns: Any,
+                first_batch: int = 0) -> None:
     """One driver: a first, unmeasured cycle (it grows the sink's transactional id pool from
     empty, which is not the steady state), then cycles until the window ends: back to back, or
     with `pace` (interval, offset in seconds) each starting on a schedule of one per interval from
     the start plus offset. A driver behind its schedule starts its next cycle at once, until it has
-    caught up: the load asked of the service does not shrink when the service slows down (the
-    calls' latencies would then hide the queueing). Each task's transaction writes `topic_partitions`
-    topic-partitions."""
+    caught up: the load asked of the service does not shrink when the service slows down.
+
+    A batch on the `classic` path is what the writer does: begin with the partition count (one id
+    pre-leased per partition), then each partition's task try asks for its lease (the first claims
+    the pre-lease) unless begin named it (the code before the rebuild: first tries made no call),
+    then commit with every winner's record. On the `same-calls` path begin takes no partition
+    count and every try's lease call takes a fresh id (what both codes do alike). With `txns` (a
+    kafka_transactions.TransactionPool) each task opens a real Kafka transaction on its id."""
     clock = time.monotonic
-    batch_id = 0
+    batch_id = first_batch  # a sink driven again in a later run goes on after its earlier batches
     task_attempt_id = driver_no * 10**12
-    two_calls = sink.pre_leases
+    claims = sink.claims
 
-    def executor_task(batch: int, attempt: int, partition: int, task_id: int) -> tuple[int, int]:
+    def task(batch: int, attempt: int, partition: int, task_id: int, named: tuple[int, str] | None) -> tuple:
         t0 = clock()
-        lease_id = sink.lease(batch, attempt, generation, partition, task_id)
-        t1 = clock()
-        sink.precommit(lease_id, generation, 1000 + partition, 10)
-        t2 = clock()
-        stats.record("lease", t0, t1)
-        stats.record("precommit", t1, t2)
-        return partition, lease_id
+        if named is None:
+            lease_id, tid = sink.lease(batch, attempt, generation, partition, task_id)
+            stats.record("lease", t0, clock())
+        else:
+            lease_id, tid = named
+        if txns is None:
+            offsets = [["bench", k, 10 * batch] for k in range(min(topic_partitions, FIRST_OFFSETS))] \
+                if topic_partitions else None
+            record = Record(task_id, 1000 + partition, 0, 10, 5, offsets)
+        else:
+            t1 = clock()
+            producer_id, epoch, offsets = txns.open(tid, partition)
+            stats.record("task_txn", t1, clock())
+            record = Record(task_id, producer_id, epoch, txns.records_per_task, int((clock() - t1) * 1000), offsets)
+        return partition, lease_id, tid, record
 
-    def task_record(partition: int) -> Record:
-        """What the writer's task returns: its transaction wrote to every partition of the topic, and
-        its record names the first offset of as many of them as the executor reports."""
-        offsets = [["bench", k, 10 * batch_id] for k in range(min(topic_partitions, FIRST_OFFSETS_REPORTED))] \
-            if topic_partitions else None
-        return Record(1000 + partition, 10, 5, offsets)
-
-    def cycle() -> tuple[float, float]:
-        """One batch. Per-call protocol: begin, a lease and a pre-commit per partition (2P + 2
-        calls). Two-call protocol: begin pre-leases each partition's first try, the tasks return
-        their pre-commit records to the driver without calling, commit carries them (2 calls)."""
+    def cycle() -> tuple[float, float, int, list[str]]:
         nonlocal task_attempt_id
         c0 = clock()
-        begun = sink.begin(batch_id, generation, partitions if two_calls else None)
+        begun: Begun = sink.begin(batch_id, generation, partitions if path == CLASSIC else None)
         c1 = clock()
         stats.record("begin", c0, c1)
         if begun.attempt is None:
             raise RuntimeError(f"batch {batch_id} unexpectedly already committed")
-        if two_calls:
-            if len(begun.pre_leases) != partitions:
-                raise RuntimeError(f"begin pre-leased {len(begun.pre_leases)} ids, expected {partitions}")
-            winners = sorted(begun.pre_leases)
-            records = [task_record(p) for p, _ in winners]
+        if path == CLASSIC and begun.pre_leased != partitions:
+            raise RuntimeError(f"begin pre-leased {begun.pre_leased} ids, expected {partitions}")
+        named = {p: (lid, tid) for p, lid, tid in begun.pre_leases} if path == CLASSIC and not claims else {}
+        calls = 2 + (partitions - len(named))
+        if txns is None and len(named) == partitions:  # nothing for the tasks to do: no thread hand-off
+            done = [task(batch_id, begun.attempt, p, 0, named[p]) for p in range(partitions)]
         else:
             futures = []
             for p in range(partitions):
                 task_attempt_id += 1
-                futures.append(executors.submit(executor_task, batch_id, begun.attempt, p, task_attempt_id))
-            winners = [f.result() for f in futures]
-            records = None
+                futures.append(executors.submit(task, batch_id, begun.attempt, p, task_attempt_id, named.get(p)))
+            done = [f.result() for f in futures]
         c2 = clock()
-        committed = sink.commit(batch_id, begun.attempt, generation, winners, records)
+        committed = sink.commit(batch_id, begun.attempt, generation, [(p, lid) for p, lid, _, _ in done],
+                                [r for _, _, _, r in done])
         c3 = clock()
         stats.record("commit", c2, c3)
         if committed != partitions:
             raise RuntimeError(f"commit named {committed} winners, expected {partitions}")
         stats.record("cycle", c0, c3)
-        return c0, c3
+        return c0, c3, calls, [tid for _, _, tid, _ in done]
+
+    def after(tids: list[str]) -> None:
+        """Kafka mode: ready each id's producer for its next transaction, unless the run is over
+        (the last batch's transactions are left to the coordinator's commit alone)."""
+        if txns is not None and clock() < stats.t_end:
+            list(executors.map(lambda t: txns.finished([t]), tids))
 
     try:
-        c0, c3 = cycle()
+        c0, c3, _, tids = cycle()
+        after(tids)
         with stats.lock:
             stats.first_cycles.append((c3 - c0) * 1000.0)
     except Exception as exc:  # noqa: BLE001
@@ -139,15 +154,16 @@ def _run_driver(sink: Any, generation: int, partitions: int, executors: ThreadPo
                     stats.late += 1
             scheduled += pace[0]
         try:
-            _, c3 = cycle()
+            _, c3, calls, tids = cycle()
             with stats.lock:  # drivers of this process share stats
                 stats.cycles_total += 1
                 if stats.t_start <= c3 < stats.t_end:
                     stats.cycles += 1
-                    stats.calls += 2 if two_calls else 2 * partitions + 2
+                    stats.calls += calls
             if stats.t_start <= c3 < stats.t_end:
                 with progress.get_lock():
                     progress.value += 1
+            after(tids)
         except Exception as exc:  # noqa: BLE001 - a benchmark counts failures and goes on
             stats.error(exc)
             time.sleep(0.01)
@@ -171,6 +187,12 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
             sinks: list[Any] = [InprocessSink(coordinator, s["name"]) for s in job["sinks"]]
         else:
             sinks = [HttpSink(job["base_url"], s["name"], s["token"]) for s in job["sinks"]]
+        txns = None
+        if job.get("kafka"):
+            from kafka_transactions import TransactionPool
+
+            k = job["kafka"]
+            txns = TransactionPool(k["bootstrap"], k["topic"], k["topic_partitions"], k["records_per_task"])
         generations = [s.start_generation(f"query-{s.name}", f"run-{s.name}-{secrets.token_hex(4)}") for s in sinks]
 
         stats = Stats(float("inf"), float("inf"))  # records nothing until the window is known
@@ -189,7 +211,8 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
         threads = [
             threading.Thread(target=_run_driver, args=(
                 s, gen, job["partitions"], pool, stats, progress, job["first_driver"] + i, primed, started,
-                job["topic_partitions"], pace(job["first_driver"] + i)))
+                job["topic_partitions"], pace(job["first_driver"] + i), job.get("path", CLASSIC), txns,
+                job.get("first_batch", 0)))
             for i, (s, gen, pool) in enumerate(zip(sinks, generations, pools))
         ]
         for t in threads:
@@ -212,6 +235,8 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
         for s in sinks:
             if isinstance(s, HttpSink):
                 s.close()
+        if txns is not None:
+            txns.close()
         results.put({
             "pid": os.getpid(),
             "samples": stats.samples,
@@ -225,6 +250,7 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
             "statements": counter.statements if counter else None,
             "checkouts": counter.checkouts if counter else None,
             "round_trips": counter.round_trips() if counter else None,
+            "transactions": txns.opened if txns else 0,
         })
         if engine is not None:
             engine.dispose()
@@ -241,7 +267,8 @@ def split(n: int, parts: int) -> list[int]:
 
 
 def run_load(label: str, jobs: list[dict[str, Any]], *, seconds: float, warmup: float, progress_every: float,
-             url: str, server_pid: int | None, postgres_pid: int | None) -> dict[str, Any]:
+             url: str, server_pid: int | None, postgres_pid: int | None,
+             broker_pid: int | None = None) -> dict[str, Any]:
     """Start the load processes, wait until each has primed its drivers, then measure one window:
     batches, calls and latencies from the drivers, CPU per party from /proc, Postgres transactions
     from pg_stat_database, sessions' states from pg_stat_activity."""
@@ -260,7 +287,7 @@ def run_load(label: str, jobs: list[dict[str, Any]], *, seconds: float, warmup: 
     go.set()
     time.sleep(max(0.0, window[0] - time.monotonic()))
     writes0 = table_writes(url)
-    cpu0, (c0, r0, n0), w0 = cpu_snapshot(server_pid, postgres_pid), pg_counters(url), time.monotonic()
+    cpu0, (c0, r0, n0), w0 = cpu_snapshot(server_pid, postgres_pid, broker_pid), pg_counters(url), time.monotonic()
     sampler = WaitSampler(url)
     sampler.start()
     last_n, last_t = progress.value, w0
@@ -272,7 +299,7 @@ def run_load(label: str, jobs: list[dict[str, Any]], *, seconds: float, warmup: 
         n, t = progress.value, time.monotonic()
         log(f"  {label}: {t - w0:5.1f}s  {n:8d} batches  {(n - last_n) / (t - last_t):9.1f} batches/s now")
         last_n, last_t = n, t
-    cpu1, w1 = cpu_snapshot(server_pid, postgres_pid), time.monotonic()
+    cpu1, w1 = cpu_snapshot(server_pid, postgres_pid, broker_pid), time.monotonic()
     waits = sampler.stop()
     own_xacts = sampler.samples + 1
     time.sleep(1.1)  # let backends flush their transaction counters
@@ -305,6 +332,7 @@ def run_load(label: str, jobs: list[dict[str, Any]], *, seconds: float, warmup: 
             k: {"n": len(v), "p50": percentile(v, 50), "p99": percentile(v, 99)} for k, v in samples.items() if v
         },
         "errors": dict(errors),
+        "transactions": sum(o["transactions"] for o in outs),
         "error_examples": examples[:5],
         "cycles_total": total,
         "late_cycles": sum(o["late"] for o in outs),
@@ -338,7 +366,10 @@ def check_record(url: str, names: list[str], cycles_total: int) -> dict[str, Any
             "  FROM (SELECT array_agg(id) AS ids FROM sinks WHERE name = ANY(%s)) s",
             (names,),
         ).fetchone()
+        rebuilt = conn.execute("SELECT to_regclass('id_pools') IS NOT NULL").fetchone()[0]
         pools = [n for (n,) in conn.execute(
+            "SELECT coalesce(p.size, 0) FROM sinks s LEFT JOIN id_pools p ON p.sink_id = s.id WHERE s.name = ANY(%s)"
+            if rebuilt else  # the code before the rebuild: a row per id
             "SELECT count(t.id) FROM sinks s LEFT JOIN transactional_ids t ON t.sink_id = s.id "
             "WHERE s.name = ANY(%s) GROUP BY s.id", (names,)
         ).fetchall()]

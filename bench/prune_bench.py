@@ -7,7 +7,7 @@ python bench/prune_bench.py --partitions 2 --batches 5000
 ```
 
 On a throwaway Postgres, in process: N committed batches of P partitions (each task's record
-with the first offsets the writer reports, FIRST_OFFSETS_REPORTED), their commit times moved two hours back,
+with the first offsets the writer reports, FIRST_OFFSETS_KEPT), their commit times moved two hours back,
 then pruned in chunks of `--chunk` batches through `Coordinator.prune_history`; then N more batches
 on the freed space, and every batch but the newest pruned. Printed: the tables' size per batch (`pg_total_relation_size`: heap, indexes
 and TOAST) before, after pruning and VACUUM (the files keep their size; the space is free inside
@@ -42,7 +42,7 @@ from measure import (  # noqa: E402
     start_embedded_postgres,
 )
 
-TABLES = ("checkpoints", "attempts", "lease_rows", "events")
+TABLES = ("checkpoints", "attempts", "leases", "events")
 
 
 def sizes(url: str, *, vacuum: str | None = None) -> dict[str, int]:
@@ -62,15 +62,16 @@ def per_batch(a: dict[str, int], b: dict[str, int], n: int) -> dict[str, int]:
 
 
 def run_batches(c: Any, name: str, gen: int, first: int, n: int, partitions: int) -> None:
-    from coordinator.protocol.model import PartitionResult, PrecommitRecord
-    from sparkclient.executor import FIRST_OFFSETS_REPORTED  # a task's record as the writer sends it
+    from coordinator.protocol.model import FIRST_OFFSETS_KEPT, PartitionResult, PrecommitRecord
 
     for b in range(first, first + n):
-        pre = c.begin_checkpoint(name, b, gen, "bench", partitions=partitions).pre_leases
+        attempt = c.begin_checkpoint(name, b, gen, "bench", partitions=partitions).attempt.number
+        # each partition's first try claims its pre-lease; its record as the writer sends it
+        won = [c.lease(name, b, attempt, gen, p, b * partitions + p).lease for p in range(partitions)]
         results = [PartitionResult(x.partition, x.id, PrecommitRecord(
-            1000 + x.partition, 0, 10, 1000, 5, [["bench", k, 10 * b] for k in range(FIRST_OFFSETS_REPORTED)]))
-            for x in pre]
-        c.commit(name, b, 1, gen, results, "bench")
+            x.task_attempt_id, 1000 + x.partition, 0, 10, 1000, 5,
+            [["bench", k, 10 * b] for k in range(FIRST_OFFSETS_KEPT)])) for x in won]
+        c.commit(name, b, attempt, gen, results, "bench")
         if (b - first + 1) % max(1, n // 5) == 0:
             log(f"  {b - first + 1} of {n} batches")
 

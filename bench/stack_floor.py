@@ -1,10 +1,10 @@
-"""The stack's floor: what a batch's two calls cost on the coordinator's stack with nothing but
-the durable writes a batch needs, so a run can say how far the coordinator is from what the
-stack itself allows on this host (issue 12's "what bounds it").
+"""The stack's floor: what a batch's calls cost on the coordinator's stack with nothing but the
+durable writes a batch needs, so a run can say how far the coordinator is from what the stack
+itself allows on this host: the least any implementation of these writes costs on this stack.
 
 The floor server is a bare ASGI app under uvicorn, run as `coordinator serve` runs it (uvloop,
-httptools with one write per response, `--workers`), speaking the coordinator's wire API for the
-calls the benchmark's load makes (generation start, begin with a partition count, commit with the
+httptools, `--workers`), speaking the coordinator's wire API for the calls the benchmark's load
+makes (generation start, begin with a partition count, a lease per task try, commit with the
 winners' records), so the very same load drives both. Its Postgres work is the leanest layout
 that still keeps the protocol's durable facts:
 
@@ -12,14 +12,18 @@ that still keeps the protocol's durable facts:
   lock), the batch refused if another batch of the sink is unfinished, the batch inserted holding
   the first P ids of the sink's pool on its own row (no row per id), committed durably; one round
   trip;
+- lease: the try's claim of its partition's pre-lease inserted durably (one row; a second try of
+  the partition is refused: the floor has no pool to give it a fresh id from), answering the id;
+  one round trip. A claim must be durable before the try's producer exists, so no implementation
+  makes it cheaper than one durable write;
 - commit: the decision (generation, attempt, OPEN, the deadline outside the margin) and the
   records in one durable statement, then the committed mark asynchronously (as the coordinator's).
 
 What it leaves out is what the coordinator is for beyond those writes: a token per sink checked
-by a dict lookup only, no body validation beyond JSON, no rules re-judged, no attempts or lease
-rows, no events, no offsets digest, no recovery loop, metrics or Kafka pass. So it is a bound no
-implementation on this stack and these writes gets under, not a design to ship: it answers only
-its one happy path and refuses (409) anything else.
+by a dict lookup only, no body validation beyond JSON, no rules (a record's try is not compared
+with its claim), no attempts or lease rows, no events, no offsets digest, no recovery loop,
+metrics or Kafka pass. So it is a bound no implementation on this stack and these writes gets
+under, not a design to ship: it answers only its one happy path and refuses (409) anything else.
 
 protocol_bench.py runs it beside `coordinator serve` in its default run, or alone:
 
@@ -62,6 +66,10 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.batches (
     PRIMARY KEY (sink_id, batch_id)
 ) WITH (fillfactor = 80);
 CREATE INDEX IF NOT EXISTS batches_unfinished ON {SCHEMA}.batches (sink_id) WHERE committed_at IS NULL;
+CREATE TABLE IF NOT EXISTS {SCHEMA}.claims (
+    sink_id bigint NOT NULL, batch_id bigint NOT NULL, partition int NOT NULL, task_attempt_id bigint NOT NULL,
+    PRIMARY KEY (sink_id, batch_id, partition), FOREIGN KEY (sink_id, batch_id) REFERENCES {SCHEMA}.batches
+);
 """
 
 # (name, SQL with $n parameters)
@@ -75,6 +83,15 @@ WHERE s.name = $1 AND s.generation = $4 AND cardinality(s.pool) >= $3
 AND NOT EXISTS (SELECT 1 FROM {SCHEMA}.batches AS o WHERE o.sink_id = s.id AND o.committed_at IS NULL)
 ON CONFLICT DO NOTHING
 RETURNING array_to_json(tids), deadline_at
+""")
+_CLAIM = ("floor_claim", f"""
+INSERT INTO {SCHEMA}.claims (sink_id, batch_id, partition, task_attempt_id)
+SELECT b.sink_id, b.batch_id, $3, $4
+FROM {SCHEMA}.sinks AS s JOIN {SCHEMA}.batches AS b ON b.sink_id = s.id
+WHERE s.name = $1 AND b.batch_id = $2 AND s.generation = $5 AND b.state = 'OPEN' AND $3 < cardinality(b.tids)
+ON CONFLICT DO NOTHING
+RETURNING (SELECT b.tids[$3::int + 1] FROM {SCHEMA}.batches AS b WHERE b.sink_id = claims.sink_id
+           AND b.batch_id = claims.batch_id)
 """)
 _DECIDE = ("floor_decide", f"""
 UPDATE {SCHEMA}.batches AS b SET state = 'COMMITTING', records = $5, decided_at = clock_timestamp()
@@ -101,7 +118,7 @@ class _Connection:
     def __init__(self, url: str) -> None:
         self.conn = psycopg.Connection.connect(url, autocommit=True)
         self.pg = self.conn.pgconn
-        for name, sql in (_LOCK_SINK, _BEGIN, _DECIDE, _MARK):
+        for name, sql in (_LOCK_SINK, _BEGIN, _CLAIM, _DECIDE, _MARK):
             result = self.pg.prepare(name.encode(), sql.encode())
             if result.status != pq.ExecStatus.COMMAND_OK:
                 raise RuntimeError(result.error_message.decode())
@@ -159,11 +176,13 @@ class FloorApp:
     """The ASGI app (one per worker process; its connections are made on first use)."""
 
     _BEGIN_PATH = re.compile(r"^/v1/sinks/([^/]+)/checkpoints/(\d+)/begin$")
+    _LEASE_PATH = re.compile(r"^/v1/sinks/([^/]+)/checkpoints/(\d+)/attempts/(\d+)/leases$")
     _COMMIT_PATH = re.compile(r"^/v1/sinks/([^/]+)/checkpoints/(\d+)/attempts/(\d+)/commit$")
     _GENERATIONS_PATH = re.compile(r"^/v1/sinks/([^/]+)/generations$")
-    # what the load reads of the coordinator's schema: that begin takes a partition count
-    _OPENAPI = pydantic_core.to_json({"components": {"schemas": {"BeginCheckpointRequest": {
-        "properties": {"generation": {}, "partitions": {}}}}}})
+    # what the load reads of the coordinator's schema: begin answers a pre-lease count (every try
+    # asks for its lease)
+    _OPENAPI = pydantic_core.to_json({"components": {"schemas": {"BeginOut": {
+        "properties": {"action": {}, "attempt": {}, "pre_leased": {}}}}}})
 
     def __init__(self, url: str, connections: int) -> None:
         self.url = url
@@ -205,7 +224,8 @@ class FloorApp:
             return self._OPENAPI
         conn = await self._connection()
         try:
-            match = self._BEGIN_PATH.match(path) or self._COMMIT_PATH.match(path) or self._GENERATIONS_PATH.match(path)
+            match = self._BEGIN_PATH.match(path) or self._LEASE_PATH.match(path) or self._COMMIT_PATH.match(path) \
+                or self._GENERATIONS_PATH.match(path)
             if match is None or scope["method"] != "POST":
                 raise FloorRefused(f"not a call of the floor: {scope['method']} {path}")
             name = match.group(1)
@@ -231,10 +251,17 @@ class FloorApp:
                 if row is None:
                     raise FloorRefused("not a new batch of the sink's generation, or another is unfinished")
                 tids, deadline = pydantic_core.from_json(row[0]), row[1].decode()
-                return pydantic_core.to_json({"action": "write", "attempt": 1, "deadline_at": deadline, "pre_leases": [
-                    {"partition": i, "lease_id": FIRST_TRY_ID_BASE + batch * 4096 + i, "transactional_id": tid}
-                    for i, tid in enumerate(tids)]})
+                return pydantic_core.to_json({"action": "write", "attempt": 1, "deadline_at": deadline,
+                                              "pre_leased": len(tids)})
             batch, attempt = int(match.group(2)), int(match.group(3))
+            if match.re is self._LEASE_PATH:
+                partition = int(request["partition"])
+                (row,) = await conn.run([(_CLAIM[0], [name.encode(), b"%d" % batch, b"%d" % partition,
+                                                      b"%d" % int(request["task_attempt_id"]), generation])])
+                if row is None:
+                    raise FloorRefused("not an OPEN batch of the sink's generation, or the partition is claimed")
+                return pydantic_core.to_json({"lease_id": FIRST_TRY_ID_BASE + batch * 4096 + partition,
+                                              "transactional_id": row[0].decode(), "partition": partition})
             winners = request["partitions"]
             (row,) = await conn.run([(_DECIDE[0], [name.encode(), b"%d" % batch, b"%d" % attempt, generation,
                                                    pydantic_core.to_json(winners)])])
@@ -318,8 +345,6 @@ class FloorServer:
 # uvicorn as `coordinator serve` configures it (coordinator/cli/command.py)
 _SERVE = """
 import sys, uvicorn
-from coordinator.http.server_protocol import OneWritePerTurnProtocol
 uvicorn.run("stack_floor:app_from_env", factory=True, host="127.0.0.1", port=int(sys.argv[1]),
-            workers=int(sys.argv[2]), log_level="info", loop="uvloop", http=OneWritePerTurnProtocol,
-            access_log=False)
+            workers=int(sys.argv[2]), log_level="info", loop="uvloop", http="httptools", access_log=False)
 """

@@ -103,8 +103,8 @@ class BeginCheckpointRequest(Request):
     offsets: Annotated[str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9:._-]+$", description=(
         "a digest of the offsets Spark planned for the batch (its offsets/<batch> entry); bound to the "
         "checkpoint at the first begin that names one, and a begin over other offsets is refused (409 "
-        "batch_offsets_mismatch). A begin without one is not checked: the writer sends none only when the "
-        "user chose to go without (its option coordinator.requireOffsets=false)"))] = None
+        "batch_offsets_mismatch). The writer sends none only when its user chose to go without (its option "
+        "coordinator.requireOffsets=false); a replay that cannot be checked is recorded (offsets_unchecked)"))] = None
 
 
 class LeaseRequest(Request):

@@ -80,25 +80,26 @@ def decide_begin(
     return BeginAction.NEW_ATTEMPT
 
 
-def check_offsets(bound_digest: str | None, given_digest: str | None, batch_id: int) -> None:
+def check_offsets(bound_digest: str | None, given_digest: str | None, batch_id: int, *, replay: bool) -> bool:
     """A batch is its offsets: a begin over other offsets than the ones bound at the first begin
     (a checkpoint location restored from an older backup re-plans committed batch ids over new
-    offsets) is refused, never skipped as already committed. A begin without a digest (an older
-    client) is not checked."""
-    if bound_digest is None or given_digest is None or bound_digest == given_digest:
-        return
-    raise e.Conflict(
-        e.OFFSETS_MISMATCH,
-        f"batch {batch_id} was begun over other offsets (digest {bound_digest[:16]}...) than this begin "
-        f"names ({given_digest[:16]}...): Spark re-planned a batch id it had already planned, typically "
-        "because the checkpoint location was restored from an older backup. Skipping it would lose the "
-        "new offsets' data and rewriting it would duplicate the old batch's. Restore the newest checkpoint "
-        "location; or, to start the query over from this checkpoint, have an operator reset the sink's "
-        "lineage (POST /v1/sinks/{sink}/lineage/reset) and start the query from a fresh checkpoint location.",
-        batch_id=batch_id,
-        bound_digest=bound_digest,
-        given_digest=given_digest,
-    )
+    offsets) is refused, never skipped as already committed. Returns whether the begin was checked:
+    a replay (the batch was begun before) where either side has no digest cannot be, and is said
+    loudly (the writer sends none only when its user chose so)."""
+    if bound_digest is not None and given_digest is not None and bound_digest != given_digest:
+        raise e.Conflict(
+            e.OFFSETS_MISMATCH,
+            f"batch {batch_id} was begun over other offsets (digest {bound_digest[:16]}...) than this begin "
+            f"names ({given_digest[:16]}...): Spark re-planned a batch id it had already planned, typically "
+            "because the checkpoint location was restored from an older backup. Skipping it would lose the "
+            "new offsets' data and rewriting it would duplicate the old batch's. Restore the newest checkpoint "
+            "location; or, to start the query over from this checkpoint, have an operator reset the sink's "
+            "lineage (POST /v1/sinks/{sink}/lineage/reset) and start the query from a fresh checkpoint location.",
+            batch_id=batch_id,
+            bound_digest=bound_digest,
+            given_digest=given_digest,
+        )
+    return not replay or (bound_digest is not None and given_digest is not None)
 
 
 # --- the id pool and leases ------------------------------------------------------------------

@@ -37,6 +37,7 @@ class _Begun:
     older: list[Lease] = field(default_factory=list)  # leases of the batch's earlier attempts, aborted or to abort
     pre_leased: int = 0
     refusal: e.Conflict | None = None  # recorded in the audit trail, then raised
+    unchecked: bool = False  # a replay whose offsets could not be checked (no digest on one side)
 
 
 def begin_checkpoint(ctx: ServiceContext, committer: Committer, aborter: Aborter, name: str, batch_id: int,
@@ -46,6 +47,11 @@ def begin_checkpoint(ctx: ServiceContext, committer: Committer, aborter: Aborter
         rules.check_partition(partitions - 1, ctx.limits.max_partitions)
     begun = ctx.transaction(lambda conn: _begin(ctx, conn, name, batch_id, generation, actor, partitions,
                                                 offsets_digest))
+    if begun.unchecked:
+        metrics.OFFSETS_UNCHECKED.labels(name).inc()
+        log.warning("sink %s: batch %s was begun again without its offsets checked (a begin without a digest: "
+                    "the writer's coordinator.requireOffsets=false); a restored checkpoint would go unnoticed",
+                    name, batch_id)
     if begun.refusal is not None:
         metrics.OFFSETS_MISMATCH.labels(name).inc()
         log.error("sink %s: %s", name, begun.refusal.message)
@@ -83,19 +89,22 @@ def _begin(ctx: ServiceContext, conn: Connection, name: str, batch_id: int, gene
     rules.check_not_halted(sink)  # lost data: no new batch until an operator acknowledges
     if sink.lineage_query_id is None:  # only after a lineage reset, before a new start
         raise e.Conflict(e.LINEAGE_NOT_BOUND, "no query is bound to this sink; start a generation first")
-    cp = batches.checkpoint_begun(conn, sink, batch_id, ctx.clock.now_in(conn), digest)
     now = ctx.clock.now_in(conn)
+    cp, created = batches.checkpoint_begun(conn, sink, batch_id, now, digest)
     try:
-        rules.check_offsets(cp.offsets_digest, digest, batch_id)
+        checked = rules.check_offsets(cp.offsets_digest, digest, batch_id, replay=not created)
     except e.Conflict as refusal:
         events.add(conn, sink.id, "offsets_mismatch", actor, now, cp.id, batch_id=batch_id, state=str(cp.state),
                    bound_digest=cp.offsets_digest, given_digest=digest)
         return _Begun(sink, BeginAction.SKIP, cp, None, refusal=refusal)
+    if not checked:
+        events.add(conn, sink.id, "offsets_unchecked", actor, now, cp.id, batch_id=batch_id, state=str(cp.state),
+                   bound_digest=cp.offsets_digest, given_digest=digest)
     if cp.offsets_digest is None and digest is not None:
         batches.bind_digest(conn, cp.id, digest)
     latest = batches.latest_attempt(conn, cp) if cp.history_pruned_at is None else None  # pruned: no attempts
     action = rules.decide_begin(cp.state, latest, generation)
-    begun = _Begun(sink, action, cp, latest)
+    begun = _Begun(sink, action, cp, latest, unchecked=not checked)
     if action is BeginAction.CONTINUE and latest is not None:
         begun.pre_leased = latest.partitions or 0  # the count its first begin took ids for
     if action is BeginAction.NEW_ATTEMPT:

@@ -55,6 +55,12 @@ OFFSETS_MISMATCH = Counter(
     "(a checkpoint location restored from an older backup): alert on any increase",
     ["sink"],
 )
+OFFSETS_UNCHECKED = Counter(
+    "coordinator_offsets_unchecked",
+    "Begins of a batch begun before whose offsets could not be checked (no digest on one side: the "
+    "writer's coordinator.requireOffsets=false)",
+    ["sink"],
+)
 LOST_DATA_ACKNOWLEDGED = Counter(
     "coordinator_lost_data_acknowledged",
     "Operator acknowledgements that cleared a sink's lost-data halt",

@@ -34,14 +34,16 @@ def checkpoint_by_id(conn: Connection, checkpoint_id: int, *, lock: bool = False
     return Checkpoint.from_mapping(conn.execute(stmt.with_for_update() if lock else stmt).one()._mapping)
 
 
-def checkpoint_begun(conn: Connection, sink: Sink, batch_id: int, now: datetime, digest: str | None) -> Checkpoint:
-    """The batch's checkpoint, created OPEN (bound to `digest`) if it is new, locked FOR UPDATE."""
+def checkpoint_begun(conn: Connection, sink: Sink, batch_id: int, now: datetime,
+                     digest: str | None) -> tuple[Checkpoint, bool]:
+    """The batch's checkpoint, created OPEN (bound to `digest`) if it is new, locked FOR UPDATE;
+    and whether it was new."""
     assert sink.lineage_query_id is not None
-    conn.execute(pg_insert(checkpoints).values(
+    created = conn.execute(pg_insert(checkpoints).values(
         sink_id=sink.id, query_id=sink.lineage_query_id, batch_id=batch_id, state=CheckpointState.OPEN.value,
         created_at=now, offsets_digest=digest,
-    ).on_conflict_do_nothing(index_elements=["sink_id", "query_id", "batch_id"]))
-    return checkpoint_for(conn, sink, batch_id, lock=True)
+    ).on_conflict_do_nothing(index_elements=["sink_id", "query_id", "batch_id"]).returning(checkpoints.c.id)).first()
+    return checkpoint_for(conn, sink, batch_id, lock=True), created is not None
 
 
 def decided_checkpoints(conn: Connection, sink_id: int | None = None) -> list[Checkpoint]:

@@ -73,13 +73,19 @@ def test_decide_begin():
 
 
 def test_check_offsets():
-    rules.check_offsets(None, "sha256:a", 3)  # nothing bound yet
-    rules.check_offsets("sha256:a", None, 3)  # a begin that names none is not checked
-    rules.check_offsets("sha256:a", "sha256:a", 3)
-    with pytest.raises(e.Conflict) as refused:
-        rules.check_offsets("sha256:a", "sha256:b", 3)
-    assert reason_of(refused) == e.OFFSETS_MISMATCH and refused.value.detail["batch_id"] == 3
-    assert "lineage/reset" in refused.value.message
+    # a first begin is checked whatever it names (it binds what it names)
+    assert rules.check_offsets(None, None, 3, replay=False)
+    assert rules.check_offsets("sha256:a", "sha256:a", 3, replay=False)
+    # a replay is checked only when both sides have a digest
+    assert rules.check_offsets("sha256:a", "sha256:a", 3, replay=True)
+    assert not rules.check_offsets(None, "sha256:a", 3, replay=True)  # begun before without one
+    assert not rules.check_offsets("sha256:a", None, 3, replay=True)  # this begin names none
+    assert not rules.check_offsets(None, None, 3, replay=True)
+    for replay in (False, True):
+        with pytest.raises(e.Conflict) as refused:
+            rules.check_offsets("sha256:a", "sha256:b", 3, replay=replay)
+        assert reason_of(refused) == e.OFFSETS_MISMATCH and refused.value.detail["batch_id"] == 3
+        assert "lineage/reset" in refused.value.message
 
 
 def test_check_attempt_writable():

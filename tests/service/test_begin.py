@@ -6,6 +6,7 @@ drivers change nothing (I5)."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import REGISTRY
 
 from coordinator.http.schemas import BeginOut
@@ -164,9 +165,8 @@ def test_a_begin_over_other_offsets_is_refused_loudly(coordinator: Coordinator, 
     # loud: the audit trail says so; nothing else changed
     assert event_kinds(c)[-1] == "offsets_mismatch"
     assert c.snapshot() == before and counts(c.engine)["events"] == rows["events"] + 1
-    # the same offsets (a plain replay) skip as before; a begin without a digest is not checked
+    # the same offsets (a plain replay) skip as before
     assert c.begin_checkpoint(NAME, 0, gen2, ACTOR, offsets_digest="sha256:aaaa").action is BeginAction.SKIP
-    assert c.begin_checkpoint(NAME, 0, gen2, ACTOR).action is BeginAction.SKIP
     # an open batch is bound too: its replay over other offsets is refused, not continued
     c.begin_checkpoint(NAME, 1, gen2, ACTOR, partitions=1, offsets_digest="sha256:cccc")
     try:
@@ -175,10 +175,38 @@ def test_a_begin_over_other_offsets_is_refused_loudly(coordinator: Coordinator, 
         assert open_refused.reason == e.OFFSETS_MISMATCH
     else:
         raise AssertionError("an open batch's begin over other offsets was continued")
-    # a first begin without a digest binds none; the next one that names one binds it
-    c.begin_checkpoint(NAME, 2, gen2, ACTOR)
-    c.begin_checkpoint(NAME, 2, gen2, ACTOR, offsets_digest="sha256:eeee")
-    assert c.checkpoint_detail(NAME, 2).checkpoint.offsets_digest == "sha256:eeee"
+    assert_invariants(c)
+
+
+def _unchecked() -> float:
+    return REGISTRY.get_sample_value("coordinator_offsets_unchecked_total", {"sink": NAME}) or 0.0
+
+
+def test_a_replay_whose_offsets_cannot_be_checked_is_said_loudly(coordinator: Coordinator,
+                                                                 kafka: RecordingControlPlane,
+                                                                 caplog: pytest.LogCaptureFixture):
+    """Issue 50 §5: a begin without a digest (the writer's coordinator.requireOffsets=false) is the
+    user's choice; when the batch is begun again and either begin had no digest, the replay goes
+    unchecked, and the coordinator says so (event, counter, warning) instead of accepting quietly."""
+    c = coordinator
+    gen = start(c)
+    seen = _unchecked()
+    c.begin_checkpoint(NAME, 0, gen, ACTOR, offsets_digest="sha256:aaaa")
+    c.begin_checkpoint(NAME, 0, gen, ACTOR, offsets_digest="sha256:aaaa")  # a checked replay: quiet
+    assert _unchecked() == seen and "offsets_unchecked" not in event_kinds(c)
+    c.begin_checkpoint(NAME, 1, gen, ACTOR)  # a first begin without one: the writer logged the choice
+    assert _unchecked() == seen and "offsets_unchecked" not in event_kinds(c)
+    with caplog.at_level("WARNING", logger="coordinator"):
+        c.begin_checkpoint(NAME, 1, gen, ACTOR, offsets_digest="sha256:bbbb")  # begun before without one
+        c.begin_checkpoint(NAME, 0, gen, ACTOR)  # bound, but this begin names none
+    assert _unchecked() == seen + 2
+    assert event_kinds(c).count("offsets_unchecked") == 2
+    assert sum("without its offsets checked" in r.getMessage() for r in caplog.records) == 2
+    # the first digest named is bound all the same, and checks every later begin
+    assert c.checkpoint_detail(NAME, 1).checkpoint.offsets_digest == "sha256:bbbb"
+    with pytest.raises(e.Conflict) as refused:
+        c.begin_checkpoint(NAME, 1, gen, ACTOR, offsets_digest="sha256:cccc")
+    assert refused.value.reason == e.OFFSETS_MISMATCH
     assert_invariants(c)
 
 

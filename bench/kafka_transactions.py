@@ -3,15 +3,15 @@ batch's tasks write with, opened the cheapest real way found, so the coordinator
 EndTxn calls on the broker) is the real one a deployment pays.
 
 The writer's executors make a new confluent-kafka producer per task and call init_transactions
-(FindCoordinator + InitProducerId): tens of milliseconds and a few of CPU per task, which on this
-2-core machine would starve the server the benchmark measures. Here each transactional id keeps
-one long-lived producer:
+(FindCoordinator + InitProducerId), which for hundreds of tasks a second would starve the server
+the benchmark measures on the cores they share. Here each transactional id keeps one long-lived
+producer:
 
 - the first time an id is used, a probe producer with statistics on runs init_transactions and
   reads the producer id and epoch from librdkafka's statistics (the only place it exposes them,
-  as the writer's executor reads them); then the id's long-lived producer (statistics off, which
-  at 100 ms per producer would cost the load side more than the coordinator's work) runs
-  init_transactions, which bumps the epoch by one on the same producer id (KIP-98);
+  as the writer's executor reads them); then the id's long-lived producer (statistics off: a
+  report per producer every interval would cost the load side more than the coordinator's work)
+  runs init_transactions, which bumps the epoch by one on the same producer id (KIP-98);
 - per task: begin_transaction, produce, flush: (producer id, epoch, the first offset written) go
   into the task's record, as the writer's executor reports them. The transaction stays open;
 - after the coordinator answered COMMITTED (its own EndTxn, at transaction version 1 semantics),

@@ -101,7 +101,8 @@ class HttpSink:
     generator shares the 2 cores with the server, so every millisecond of its CPU is one the
     server does not get. Each request's head is the same but for its path and length, and an
     answer is read by its Content-Length (uvicorn answers every call so); bodies are encoded and
-    parsed by pydantic's core (the standard library's http.client and json cost 2-3x its CPU)."""
+    parsed by pydantic's core (cheaper than the standard library's http.client and json: see
+    NOTEBOOK.md)."""
 
     def __init__(self, base_url: str, name: str, token: str) -> None:
         import urllib.parse

@@ -219,7 +219,7 @@ def load_process(job: dict[str, Any], window: Any, ready: Any, go: Any, progress
             t.start()
         primed.wait()  # every driver has done its first cycle
         # as `coordinator serve` does once its app is built: full collections skip what exists now
-        # (modules, engine, pools; unfrozen, they cost ~4 ms per P=200 batch), and start rarely
+        # (modules, engine, pools), and start rarely
         from coordinator.app import settle_gc
         settle_gc()
         ready.put(os.getpid())

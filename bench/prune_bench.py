@@ -2,7 +2,7 @@
 the space is used again.
 
 ```bash
-python bench/prune_bench.py                                   # 600 batches of 200 partitions (~1 min)
+python bench/prune_bench.py                                   # 100 batches of 200 partitions (~2 min)
 python bench/prune_bench.py --partitions 2 --batches 5000
 ```
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -79,8 +80,8 @@ def run_batches(c: Any, name: str, gen: int, first: int, n: int, partitions: int
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--partitions", type=int, default=200)
-    ap.add_argument("--batches", type=int, default=600)
-    ap.add_argument("--chunk", type=int, default=100, help="batches per pruning transaction (100)")
+    ap.add_argument("--batches", type=int, default=100)
+    ap.add_argument("--chunk", type=int, default=25, help="batches per pruning transaction (25)")
     args = ap.parse_args()
 
     from coordinator.kafka.control_plane import RecordingControlPlane
@@ -151,6 +152,7 @@ def main() -> int:
             chunk_p50_ms=round(percentile(chunks, 50) or 0, 1)))
     finally:
         server.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

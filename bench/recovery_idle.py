@@ -15,6 +15,7 @@ cluster every sweep interval). A window should hold at least one sweep (30 s by 
     python bench/recovery_idle.py                        # N = 10, 100, 1000; 30 s windows (~4 min)
     python bench/recovery_idle.py --sinks 10 100 --seconds 10
     python bench/recovery_idle.py --control-plane kafka
+    python bench/recovery_idle.py --code /work/baseline  # another checkout's coordinator (server and sinks)
 
 One line per N:
     idle sinks=100 server_cpu_ms_per_s=… postgres_cpu_ms_per_s=… xacts_per_s=… seconds=…
@@ -32,18 +33,20 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-for p in (str(BENCH), str(ROOT)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # last: a checkout named by --code (on PYTHONPATH) comes first
 
 from measure import cpu_seconds, cpu_snapshot, figure_line, log, pg_counters, start_embedded_postgres  # noqa: E402
-from protocol_clients import Server  # noqa: E402
+from protocol_clients import InprocessSink, Record, Server  # noqa: E402
 
 
 def add_idle_sinks(url: str, first: int, count: int, bootstrap: str) -> None:
-    """Sinks idle-0000.. registered, each with a generation and one committed 2-partition batch."""
+    """Sinks idle-0000.. registered, each with a generation and one committed 2-partition batch
+    (as the writer runs it on the code imported: first tries claim their pre-leases, or, before the
+    rebuild, write on them without a call)."""
     from coordinator.kafka.control_plane import RecordingControlPlane
-    from coordinator.protocol.model import PartitionResult, PrecommitRecord
     from coordinator.service import Coordinator, SinkSpec
     from coordinator.store.db import make_engine
 
@@ -53,12 +56,14 @@ def add_idle_sinks(url: str, first: int, count: int, bootstrap: str) -> None:
         for i in range(first, first + count):
             name = f"idle-{i:05d}"
             c.register_sink(SinkSpec(name, f"tx-{name}", bootstrap, ["idle"]), "bench", check_broker=False)
-            generation, _ = c.start_generation(name, "q", "r", "bench")
-            begun = c.begin_checkpoint(name, 0, generation, "bench", partitions=2)
-            won = [c.lease(name, 0, begun.attempt.number, generation, p, p).lease for p in range(2)]
-            results = [PartitionResult(x.partition, x.id, PrecommitRecord(x.task_attempt_id, 1000 + x.partition, 0, 1, 100))
-                       for x in won]
-            if c.commit(name, 0, begun.attempt.number, generation, results, "bench").checkpoint.state != "COMMITTED":
+            sink = InprocessSink(c, name)
+            generation = sink.start_generation("q", "r")
+            begun = sink.begin(0, generation, 2)
+            assert begun.attempt is not None
+            won = [sink.lease(0, begun.attempt, generation, p, p)[0] for p in range(2)] if sink.claims \
+                else [lid for _, lid, _ in sorted(begun.pre_leases)]
+            if sink.commit(0, begun.attempt, generation, list(enumerate(won)),
+                           [Record(p, 1000 + p, 0, 1) for p in range(2)]) != 2:
                 raise RuntimeError(f"{name}: its batch did not commit")
     finally:
         c.close()
@@ -86,7 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="uvicorn workers (default 2, as deployed)")
     ap.add_argument("--control-plane", choices=("none", "kafka"), default="none")
     ap.add_argument("--database-url", help="an empty Postgres database to use instead of an embedded one")
+    ap.add_argument("--code", type=Path, help="the checkout whose coordinator runs (default: this one)")
     args = ap.parse_args(argv)
+    if args.code and os.environ.get("RECOVERY_IDLE_CODE") != str(args.code.resolve()):
+        # again, with that checkout's coordinator first on the path (its server gets it too)
+        code = str(args.code.resolve())
+        env = {**os.environ, "RECOVERY_IDLE_CODE": code, "PYTHONPATH": os.pathsep.join([code, str(BENCH)])}
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *(argv or sys.argv[1:])], env)
     if sorted(args.sinks) != args.sinks:
         ap.error("--sinks must increase")
     tmp = Path(tempfile.mkdtemp(prefix="recovery-idle-"))
@@ -111,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             cluster.start()
             bootstrap = cluster.bootstrap_servers
         log(f"starting coordinator serve --workers {args.workers} (control plane {args.control_plane}, recovery on)")
-        server = Server(url, args.workers, 5, "info", tmp / "server.log", control_plane=args.control_plane)
+        server = Server(url, args.workers, 5, "info", tmp / "server.log", control_plane=args.control_plane,
+                        code=args.code.resolve() if args.code else ROOT)
         have = 0
         for n in args.sinks:
             log(f"adding {n - have} idle sinks ({n} in all)")
@@ -129,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         if pg is not None:
             pg.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\nrecovery_idle: {os.cpu_count()} CPUs, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
+    import coordinator
+
+    print(f"\nrecovery_idle: {Path(coordinator.__file__).parent.parent}, {os.cpu_count()} CPUs, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
           f"coordinator serve --workers {args.workers}, recovery loop on, {args.seconds:.0f} s windows")
     for line in lines:
         print(line)

@@ -146,8 +146,11 @@ def test_compare_checkouts_runs_both_sides_both_paths_and_leaves_nothing_behind(
 
 
 def test_recovery_idle_prints_a_line_per_number_of_idle_sinks(database_url: str) -> None:
+    # --code names the checkout whose coordinator runs (here this one, through the re-exec that
+    # puts it first on the path)
     stdout = _run([str(BENCH / "recovery_idle.py"), "--database-url", database_url, "--sinks", "2", "5",
-                   "--seconds", "1", "--settle", "0.2", "--workers", "1"])
+                   "--seconds", "1", "--settle", "0.2", "--workers", "1", "--code", str(REPO_ROOT)])
+    assert f"recovery_idle: {REPO_ROOT}," in stdout
     lines = [measure.parse_figure_line(x)[1] for x in stdout.splitlines() if x.startswith("idle sinks=")]
     assert [x["sinks"] for x in lines[-2:]] == ["2", "5"], stdout
     for f in lines[-2:]:

@@ -261,10 +261,15 @@ def main(argv: list[str] | None = None) -> int:
             log(f"floor: raw psycopg one-row update transactions, {args.floor_threads} connections, one process")
             floor_figures = floor(url, args.floor_seconds, args.floor_threads)
             floor_figures.update(statement_cost(url))
-        if "kafka" in modes:
-            broker = Broker(tmp, args.bootstrap)
         for mode in modes:
-            results += run_shapes(args, mode, url, tag, tmp, postgres_pid, broker)
+            if mode == "kafka":  # started for its runs only: an idle JVM would load the others' host
+                broker = Broker(tmp, args.bootstrap)
+            try:
+                results += run_shapes(args, mode, url, tag, tmp, postgres_pid, broker)
+            finally:
+                if broker is not None:
+                    broker.stop()
+                    broker = None
     finally:
         if broker is not None:
             broker.stop()

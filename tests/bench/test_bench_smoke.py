@@ -180,3 +180,15 @@ def test_end_txn_bench_commits_both_ways_and_checks_what_read_committed_sees() -
     assert set(figures) == {"end_txn N=2", "end_txn N=4"}, stdout
     for f in figures.values():
         assert all(float(f[k]) > 0 for k in ("calls_cpu_ms_per_end_txn", "pass_cpu_ms_per_end_txn", "cpu_ratio")), f
+
+
+def test_statements_per_call_counts_each_call_and_the_batch(database_url: str) -> None:
+    stdout = _run([str(BENCH / "statements_per_call.py"), "--database-url", database_url, "--partitions", "3"])
+    lines = [measure.parse_figure_line(x) for x in stdout.splitlines() if x.startswith("statements P=3")]
+    by_call = {f["call"]: f for _, f in lines}
+    assert set(by_call) == {"begin", "lease", "commit", "batch"}, stdout
+    for key in ("statements", "transactions", "clock_reads"):
+        assert int(by_call["batch"][key]) == sum(int(by_call[c][key]) for c in ("begin", "lease", "commit"))
+    # three lease calls, each its own transaction; every call sends at least one statement
+    assert int(by_call["lease"]["transactions"]) == 3
+    assert all(int(by_call[c]["statements"]) >= 1 for c in ("begin", "lease", "commit"))

@@ -39,7 +39,7 @@ def create_app(coordinator: Coordinator, *, admin_token: str, token_secret: byte
     app.state.coordinator = coordinator
     app.state.tokens = Tokens(admin_token, token_secret)
     app.state.body_limit = body_limit(coordinator.limits.max_partitions)  # the widest commit fits
-    app.state.database_metrics = metrics.database_registry(coordinator.engine)
+    app.state.database_metrics = metrics.database_registry(coordinator.ctx.read)
     app.state.partition_watch = PartitionWatch()
 
     def count_fenced(exc: e.ProtocolError) -> None:

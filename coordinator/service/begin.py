@@ -111,8 +111,8 @@ def _begin(ctx: ServiceContext, conn: Connection, name: str, batch_id: int, gene
         # one micro-batch in flight per query: every other open attempt of the sink is dead
         begun.to_abort = end_attempts(conn, sink, batches.open_attempts(conn, sink.id), "superseded", now,
                                       "coordinator")
-        begun.attempt = batches.insert_attempt(conn, cp, cp.current_attempt + 1, generation, partitions, now)
-        begun.checkpoint = batches.checkpoint_by_id(conn, cp.id)
+        begun.checkpoint, begun.attempt = batches.insert_attempt(conn, cp, cp.current_attempt + 1, generation,
+                                                                 partitions, now)
         if partitions:
             taken = take_ids(conn, sink, partitions, now)
             leases.grant(conn, sink_id=sink.id, checkpoint_id=cp.id, attempt_id=begun.attempt.id,
@@ -122,7 +122,7 @@ def _begin(ctx: ServiceContext, conn: Connection, name: str, batch_id: int, gene
         begun.pre_leased = partitions or 0
     begun.unfinished = [c.id for c in batches.decided_checkpoints(conn, sink.id)
                         if c.state is CheckpointState.COMMITTING and c.id != cp.id]
-    begun.older = _older(conn, begun)
+    begun.older = [] if created else _older(conn, begun)  # a new batch has no earlier attempts
     return begun
 
 

@@ -26,7 +26,7 @@ from ..protocol.states import ABORT_PENDING_STATES, WINNING_LEASE_STATES, Attemp
 from ..store import batches, events, leases, sinks
 from . import metrics
 from .aborts import Aborter, end_attempts
-from .committer import Committer
+from .committer import Committer, Decision
 from .context import ServiceContext
 from .results import AbortOutcome, CommitResult
 
@@ -36,7 +36,7 @@ class _Decided:
     sink: Sink
     checkpoint: Checkpoint
     losers: list[Lease]  # leases tries held that did not win: to abort on Kafka
-    by: str | None  # None: this call decided; "commit_retry": a retry found the decision
+    decision: Decision | None  # this call's decision; None: a retry found one already made
     refusal: e.Conflict | None = None  # the timeout gate refused it: the attempt was aborted
 
 
@@ -52,29 +52,35 @@ def commit(ctx: ServiceContext, committer: Committer, aborter: Aborter, name: st
         metrics.checkpoint_outcome(name, "deadline_refused")
         aborter.abort(decided.sink, decided.losers)
         raise decided.refusal
+    recorded = None
     try:
-        committer.finish(name, decided.checkpoint.id, by=decided.by)
+        if decided.decision is not None:
+            recorded = committer.finish_decision(decided.decision, by=None)
+        else:
+            committer.finish(name, decided.checkpoint.id, by="commit_retry")
     finally:
         # the losers do not depend on the winners: end their transactions (which would block
         # read_committed readers) even while the winners' commit waits for Kafka
-        pending = ctx.read(lambda conn: leases.of_checkpoints(conn, [decided.checkpoint.id], ABORT_PENDING_STATES))
-        aborter.abort(decided.sink, [x for x in pending if x.state is LeaseState.ABORTING])
+        losers = decided.losers if decided.decision is not None else ctx.read(
+            lambda conn: leases.of_checkpoints(conn, [decided.checkpoint.id], [LeaseState.ABORTING]))
+        aborter.abort(decided.sink, losers)
+    if recorded is not None and not decided.losers:  # nothing changed since the record: answer from it
+        return _result(ctx, decided.sink, recorded.checkpoint, recorded.attempt, recorded.checkpoint_leases)
     return result_of(ctx, name, batch_id)
 
 
 def _decide(ctx: ServiceContext, conn: Connection, name: str, batch_id: int, number: int, generation: int,
             results: Sequence[PartitionResult], actor: str, job_ms: int | None) -> _Decided:
-    sink = sinks.sink_by_name(conn, name, lock="share")
+    rows = batches.attempt_rows(conn, name, batch_id, number, lock="update")
+    sink, cp, attempt = rows.sink, rows.checkpoint, rows.attempt
     rules.check_generation(sink.generation, generation)
-    cp = batches.checkpoint_for(conn, sink, batch_id, lock=True)
-    attempt = batches.attempt_of(conn, cp, number, lock="update")
     if cp.state is not CheckpointState.OPEN:
         if cp.committed_attempt != number:
             raise e.Conflict(e.COMMIT_DECIDED, f"batch {batch_id} was committed by attempt {cp.committed_attempt}",
                              committed_attempt=cp.committed_attempt)
         rules.check_same_winners(results, [x for x in leases.of_attempt(conn, attempt.id)
                                            if x.state in WINNING_LEASE_STATES])
-        return _Decided(sink, cp, [], "commit_retry")
+        return _Decided(sink, cp, [], None)
     if attempt.state is AttemptState.ABORTED and attempt.abort_reason == e.DEADLINE_TOO_CLOSE:
         raise e.Conflict(e.DEADLINE_TOO_CLOSE, f"attempt {number} was aborted by the timeout gate")
     rules.check_attempt_writable(attempt, cp.current_attempt, generation)
@@ -94,12 +100,12 @@ def _decide(ctx: ServiceContext, conn: Connection, name: str, batch_id: int, num
         raise AssertionError("a winner changed state under the decision's locks")
     losers = leases.move(conn, [x.id for x in plan.losers], [LeaseState.LEASED], LeaseState.ABORTING, now)
     leases.move(conn, [x.id for x in plan.unused], [LeaseState.PRELEASED], LeaseState.ABORTED, now)
-    batches.move_attempts(conn, [attempt.id], AttemptState.OPEN, AttemptState.COMMITTING, decided_at=now,
-                          partitions=len(results), job_ms=job_ms)
+    (attempt,) = batches.move_attempts(conn, [attempt.id], AttemptState.OPEN, AttemptState.COMMITTING,
+                                       decided_at=now, partitions=len(results), job_ms=job_ms)
     cp = batches.move_checkpoint(conn, cp, CheckpointState.COMMITTING, decided_at=now, committed_attempt=number)
     events.add(conn, sink.id, "commit_decided", actor, now, cp.id, batch_id=batch_id, attempt=number,
                winners=sorted([w.partition, w.id] for w in winners))
-    return _Decided(sink, cp, losers, None)
+    return _Decided(sink, cp, losers, Decision(sink, cp, attempt, winners, now))
 
 
 def resume(ctx: ServiceContext, committer: Committer, aborter: Aborter, name: str, batch_id: int) -> CommitResult:

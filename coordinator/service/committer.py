@@ -65,8 +65,10 @@ class Committer:
         deciding call itself. Raises data_lost when a winner was refused for good, 503
         kafka_commit_failed while some may still commit."""
         decision = self.ctx.read(lambda conn: _decision(self.ctx, conn, name, checkpoint_id))
-        if decision is None:
-            return None
+        return None if decision is None else self.finish_decision(decision, by=by)
+
+    def finish_decision(self, decision: Decision, *, by: str | None) -> Recorded:
+        """`finish` of a decision in hand (the deciding call's own)."""
         started = time.monotonic()
         verdicts = self._commit_on_kafka(decision)
         recorded = self.ctx.transaction(lambda conn: self._record(conn, decision, verdicts, by))
@@ -122,26 +124,26 @@ class Committer:
         still = {x.transactional_id for x in checkpoint_leases
                  if x.attempt_id == d.attempt.id and x.state is LeaseState.COMMITTING}
         pending = {v.lease.transactional_id: v for v in by_verdict[Verdict.PENDING] if v.lease.transactional_id in still}
-        attempt = batches.attempt_by_id(conn, d.attempt.id)
+        attempt: Attempt | None = None  # as this finisher moved it
         became_lost = committed_now = False
         if newly_lost:
             refused = [v for v in lost if v.lease.id in {x.id for x in newly_lost}]
             became_lost = cp.state is CheckpointState.COMMITTING
-            cp, attempt = _record_loss(conn, d.sink, cp, attempt, refused, sorted(still), now)
+            cp, attempt = _record_loss(conn, d.sink, cp, d.attempt, refused, sorted(still), now)
         if pending:
             events.add(conn, d.sink.id, "commit_failed", "coordinator", now, cp.id,
                        **failure_report({t: v.message for t, v in pending.items()},
                                         {t for t, v in pending.items() if v.not_tried}))
         elif cp.state is CheckpointState.COMMITTING and not still:
-            (attempt,) = batches.move_attempts(conn, [attempt.id], AttemptState.COMMITTING, AttemptState.COMMITTED,
+            (attempt,) = batches.move_attempts(conn, [d.attempt.id], AttemptState.COMMITTING, AttemptState.COMMITTED,
                                                finished_at=now)
             cp = batches.move_checkpoint(conn, cp, CheckpointState.COMMITTED, committed_at=now)
             committed_now = True
             if by is not None:
                 events.add(conn, d.sink.id, "checkpoint_committed", RECOVERY_ACTOR, now, cp.id,
                            batch_id=cp.batch_id, attempt=attempt.number, by=by)
-        if newly_lost or moved:
-            checkpoint_leases = leases.of_checkpoints(conn, [cp.id])
+        if attempt is None:  # another finisher may have moved it
+            attempt = batches.attempt_by_id(conn, d.attempt.id)
         return Recorded(cp, attempt, checkpoint_leases, committed_now, newly_lost, became_lost, pending)
 
     def _report(self, d: Decision, r: Recorded, started: float) -> None:
@@ -169,15 +171,17 @@ def _decision(ctx: ServiceContext, conn: Connection, name: str, checkpoint_id: i
 
 
 def _record_loss(conn: Connection, sink: Sink, cp: Checkpoint, attempt: Attempt, refused: list[CommitVerdict],
-                 still_committing: list[str], now: datetime) -> tuple[Checkpoint, Attempt]:
-    """Kafka refused decided winners for good: the checkpoint and its attempt become LOST, the
-    sink is halted, and the alert goes into the audit trail."""
+                 still_committing: list[str], now: datetime) -> tuple[Checkpoint, Attempt | None]:
+    """Kafka refused decided winners for good: the checkpoint and its attempt become LOST (the
+    attempt is returned if this call moved it), the sink is halted, and the alert goes into the
+    audit trail."""
     reason = rules.lost_reason(cp.batch_id, [rules.RefusedCommit(v.lease, v.code or "", v.message, v.confirmed)
                                              for v in refused])
+    moved = None
     if cp.state is CheckpointState.COMMITTING:
         cp = batches.move_checkpoint(conn, cp, CheckpointState.LOST, lost_reason=reason, lost_at=now)
-        (attempt,) = batches.move_attempts(conn, [attempt.id], AttemptState.COMMITTING, AttemptState.LOST,
-                                           finished_at=now)
+        (moved,) = batches.move_attempts(conn, [attempt.id], AttemptState.COMMITTING, AttemptState.LOST,
+                                         finished_at=now)
     sinks.halt(conn, sink.id, reason, now)
     events.add(
         conn, sink.id, "data_lost", "coordinator", now, cp.id,
@@ -187,7 +191,7 @@ def _record_loss(conn: Connection, sink: Sink, cp: Checkpoint, attempt: Attempt,
                    code=v.code, message=v.message[:500]) for v in refused],
         still_committing=still_committing,
     )
-    return cp, attempt
+    return cp, moved
 
 
 def _commit_failed(cp: Checkpoint, pending: dict[str, CommitVerdict]) -> e.Unavailable:

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
@@ -36,10 +36,18 @@ class ServiceContext:
     def transaction(self, fn: Callable[[Connection], T]) -> T:
         """fn in one database transaction, committed when it returns and rolled back if it raises;
         retried whole on a deadlock, a serialization failure or a connection found dead (safe: fn
-        has no effect outside its transaction)."""
+        has no effect outside its transaction). A pooled connection is not pinged before use: one
+        the database dropped fails its first statement and the transaction runs again."""
+        return self._retried(fn, self.engine.begin)
+
+    def read(self, fn: Callable[[Connection], T]) -> T:
+        """fn on a connection, for reads (their own snapshot per statement); retried as above."""
+        return self._retried(fn, self.engine.connect)
+
+    def _retried(self, fn: Callable[[Connection], T], connection: Callable[[], Any]) -> T:
         for attempt in range(5):
             try:
-                with self.engine.begin() as conn:
+                with connection() as conn:
                     return fn(conn)
             except DBAPIError as exc:
                 code = getattr(exc.orig, "sqlstate", None)
@@ -47,11 +55,6 @@ class ServiceContext:
                     raise
                 log.info("retrying a transaction after %s", code or "a lost database connection")
         raise AssertionError("unreachable")
-
-    def read(self, fn: Callable[[Connection], T]) -> T:
-        """fn on a connection, for reads (their own snapshot per statement)."""
-        with self.engine.connect() as conn:
-            return fn(conn)
 
     def plane(self) -> KafkaControlPlane:
         if self.control_plane is None:

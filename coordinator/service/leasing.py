@@ -17,7 +17,7 @@ from ..protocol.configuration import transactional_id_for
 from ..protocol.model import Lease, Sink
 from ..protocol.rules import LeaseAction
 from ..protocol.states import LeaseState
-from ..store import batches, leases, pool, sinks
+from ..store import batches, leases, pool
 from .context import ServiceContext
 from .results import LeaseGrant, LeaseRules
 
@@ -27,10 +27,9 @@ def lease_for_try(ctx: ServiceContext, name: str, batch_id: int, attempt_number:
     rules.check_partition(partition, ctx.limits.max_partitions)
 
     def step(conn: Connection) -> LeaseGrant:
-        sink = sinks.sink_by_name(conn, name, lock="share")
+        rows = batches.attempt_rows(conn, name, batch_id, attempt_number, lock="share")
+        sink, cp, attempt = rows.sink, rows.checkpoint, rows.attempt
         rules.check_generation(sink.generation, generation)
-        cp = batches.checkpoint_for(conn, sink, batch_id)
-        attempt = batches.attempt_of(conn, cp, attempt_number, lock="share")
         held = leases.of_partition(conn, attempt.id, partition, lock=True)
         own = next((x for x in held if x.task_attempt_id == task_attempt_id), None)
         pre_lease = next((x for x in held if x.state is LeaseState.PRELEASED), None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -32,7 +32,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import Engine
+from sqlalchemy import Connection
 
 from ..protocol.states import MAY_HOLD_TRANSACTION, LeaseState
 from ..store import gauges
@@ -193,8 +193,8 @@ CHECKPOINT_STATES = ("OPEN", "COMMITTING", "LOST")
 class DatabaseCollector(Collector):
     """Gauges read from the database at scrape time (one per app, in its own registry)."""
 
-    def __init__(self, engine: Engine, ttl_s: float = 2.0) -> None:
-        self.engine = engine
+    def __init__(self, read: Callable[[Callable[[Connection], Any]], Any], ttl_s: float = 2.0) -> None:
+        self.read = read  # ServiceContext.read: a connection the database dropped is replaced
         self.ttl_s = ttl_s
         self._cached: tuple[float, list[GaugeMetricFamily]] | None = None
         self._lock = threading.Lock()
@@ -212,8 +212,7 @@ class DatabaseCollector(Collector):
     def _read(self) -> list[GaugeMetricFamily]:
         up = GaugeMetricFamily("coordinator_database_up", "1 if the last scrape could read the database")
         try:
-            with self.engine.connect() as conn:
-                g = gauges.read(conn)
+            g = self.read(gauges.read)
         except Exception:  # noqa: BLE001 - a scrape must answer even when the database does not
             log.warning("metrics: could not read the database", exc_info=True)
             up.add_metric([], 0)
@@ -254,7 +253,7 @@ def render(extra: CollectorRegistry | None = None) -> tuple[bytes, str]:
     return body, CONTENT_TYPE_LATEST
 
 
-def database_registry(engine: Engine) -> CollectorRegistry:
+def database_registry(read: Callable[[Callable[[Connection], Any]], Any]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DatabaseCollector(engine))
+    registry.register(DatabaseCollector(read))
     return registry

@@ -26,10 +26,13 @@ def sqlalchemy_url(url: str) -> str:
 
 def make_engine(url: str, pool_size: int = 20, connect_timeout_s: int | None = None) -> Engine:
     """A pooled engine. Connections are kept open once opened (no overflow that closes them on
-    return: a burst of executors' calls would otherwise open and close sessions continuously)."""
+    return: a burst of executors' calls would otherwise open and close sessions continuously).
+    No ping before each use (a round trip per transaction): a connection the database dropped
+    fails its first statement, SQLAlchemy discards the pool's connections, and the service runs
+    the transaction again (ServiceContext)."""
     connect_args = {} if connect_timeout_s is None else {"connect_timeout": connect_timeout_s}
-    return create_engine(sqlalchemy_url(url), pool_size=pool_size, max_overflow=0, pool_pre_ping=True,
-                         pool_recycle=1800, connect_args=connect_args)
+    return create_engine(sqlalchemy_url(url), pool_size=pool_size, max_overflow=0, pool_recycle=1800,
+                         connect_args=connect_args)
 
 
 def database_now(conn: Connection) -> datetime:
@@ -67,7 +70,7 @@ def schema_revision(conn: Connection) -> SchemaRevision:
                           {r.revision for r in script.walk_revisions()})
 
 
-def schema_is_current(engine: Engine) -> bool:
-    head = ScriptDirectory.from_config(alembic_config(engine.url.render_as_string(hide_password=False))).get_current_head()
-    with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision() == head
+def schema_is_current(conn: Connection) -> bool:
+    url = conn.engine.url.render_as_string(hide_password=False)
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    return MigrationContext.configure(conn).get_current_revision() == head

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select, text, update
+from sqlalchemy import Connection, bindparam, func, insert, select, text, update
 
 from ..protocol.model import Lease, PrecommitRecord
 from ..protocol.states import UNRESOLVED_LEASE_STATES, LeaseState, require_transition
@@ -51,33 +51,44 @@ def grant(conn: Connection, *, sink_id: int, checkpoint_id: int, attempt_id: int
     return [Lease.from_mapping(r._mapping) for r in rows]
 
 
+# built once: the protocol's calls run these for every batch and partition
+_CLAIM = (update(leases).where(leases.c.id == bindparam("lease_id"), leases.c.state == LeaseState.PRELEASED.value)
+          .values(state=LeaseState.LEASED.value).returning(*leases.c))
+_OF_ATTEMPT = select(leases).where(leases.c.attempt_id == bindparam("attempt_id")).order_by(leases.c.id)
+_OF_PARTITION = select(leases).where(leases.c.attempt_id == bindparam("attempt_id"),
+                                     leases.c.partition == bindparam("partition_"))
+_LOCKED = {stmt: stmt.with_for_update() for stmt in (_OF_ATTEMPT, _OF_PARTITION)}
+
+
 def claim(conn: Connection, pre_lease: Lease, task_attempt_id: int, now: datetime, deadline_at: datetime) -> Lease | None:
     """The pre-lease held by this try from now on, if no try claimed it first (None otherwise)."""
     require_transition(pre_lease.state, LeaseState.LEASED)
-    row = conn.execute(update(leases).where(leases.c.id == pre_lease.id, leases.c.state == LeaseState.PRELEASED.value)
-                       .values(state=LeaseState.LEASED.value, task_attempt_id=task_attempt_id, leased_at=now,
-                               deadline_at=deadline_at).returning(*leases.c)).first()
+    row = conn.execute(_CLAIM, dict(lease_id=pre_lease.id, task_attempt_id=task_attempt_id, leased_at=now,
+                                    deadline_at=deadline_at)).first()
     return None if row is None else Lease.from_mapping(row._mapping)
 
 
 def of_attempt(conn: Connection, attempt_id: int, *, lock: bool = False) -> list[Lease]:
-    stmt = select(leases).where(leases.c.attempt_id == attempt_id).order_by(leases.c.id)
-    return _leases(conn.execute(stmt.with_for_update() if lock else stmt))
+    return _leases(conn.execute(_LOCKED[_OF_ATTEMPT] if lock else _OF_ATTEMPT, dict(attempt_id=attempt_id)))
 
 
 def of_partition(conn: Connection, attempt_id: int, partition: int, *, lock: bool = False) -> list[Lease]:
     """The partition's pre-lease and the leases its tries hold."""
-    stmt = select(leases).where(leases.c.attempt_id == attempt_id, leases.c.partition == partition)
-    return _leases(conn.execute(stmt.with_for_update() if lock else stmt))
+    return _leases(conn.execute(_LOCKED[_OF_PARTITION] if lock else _OF_PARTITION,
+                                dict(attempt_id=attempt_id, partition_=partition)))
+
+
+_OF_CHECKPOINTS = select(leases).where(leases.c.checkpoint_id.in_(bindparam("checkpoint_ids", expanding=True)))
+_OF_CHECKPOINTS_IN = _OF_CHECKPOINTS.where(leases.c.state.in_(bindparam("states", expanding=True)))
 
 
 def of_checkpoints(conn: Connection, checkpoint_ids: Sequence[int], states: Iterable[LeaseState] | None = None) -> list[Lease]:
     if not checkpoint_ids:
         return []
-    stmt = select(leases).where(leases.c.checkpoint_id.in_(list(checkpoint_ids)))
-    if states is not None:
-        stmt = stmt.where(leases.c.state.in_([s.value for s in states]))
-    return _leases(conn.execute(stmt))
+    if states is None:
+        return _leases(conn.execute(_OF_CHECKPOINTS, dict(checkpoint_ids=list(checkpoint_ids))))
+    return _leases(conn.execute(_OF_CHECKPOINTS_IN, dict(checkpoint_ids=list(checkpoint_ids),
+                                                         states=[s.value for s in states])))
 
 
 def by_ids(conn: Connection, ids: Sequence[int]) -> list[Lease]:
@@ -125,9 +136,12 @@ def move(conn: Connection, ids: Iterable[int], old: Iterable[LeaseState], new: L
         return []
     if new not in UNRESOLVED_LEASE_STATES:
         values["resolved_at"] = now
-    rows = conn.execute(update(leases).where(leases.c.id.in_(ids), leases.c.state.in_([s.value for s in old]))
-                        .values(state=new.value, **values).returning(*leases.c))
-    return _leases(rows)
+    return _leases(conn.execute(_MOVE, dict(ids=ids, old_states=[s.value for s in old], state=new.value, **values)))
+
+
+_MOVE = (update(leases).where(leases.c.id.in_(bindparam("ids", expanding=True)),
+                              leases.c.state.in_(bindparam("old_states", expanding=True)))
+         .returning(*leases.c))
 
 
 _DECIDE_WINNERS = text("""

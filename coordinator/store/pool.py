@@ -12,16 +12,25 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime
 
-from sqlalchemy import Connection, func, select, union_all, update
+from sqlalchemy import Connection, bindparam, func, select, union_all, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from ..protocol.model import IdPool, Quarantine
 from .tables import id_pools, leases, quarantined_ids
 
 
+# built once: every grant runs them
+_LOCK = select(id_pools).where(id_pools.c.sink_id == bindparam("sink_id")).with_for_update()
+_BUSY = select(func.array_agg(union_all(
+    select(leases.c.ordinal).where(leases.c.sink_id == bindparam("sink_id"), leases.c.resolved_at.is_(None)),
+    select(quarantined_ids.c.ordinal).where(quarantined_ids.c.sink_id == bindparam("sink_id"),
+                                            quarantined_ids.c.until > bindparam("now")),
+).subquery().c.ordinal))
+_SAVE = update(id_pools).where(id_pools.c.sink_id == bindparam("pool_sink_id"))
+
+
 def lock(conn: Connection, sink_id: int) -> IdPool:
-    row = conn.execute(select(id_pools).where(id_pools.c.sink_id == sink_id).with_for_update()).one()
-    return IdPool.from_mapping(row._mapping)
+    return IdPool.from_mapping(conn.execute(_LOCK, dict(sink_id=sink_id)).one()._mapping)
 
 
 def read(conn: Connection, sink_id: int) -> IdPool:
@@ -29,14 +38,12 @@ def read(conn: Connection, sink_id: int) -> IdPool:
 
 
 def busy(conn: Connection, sink_id: int, now: datetime) -> set[int]:
-    held = select(leases.c.ordinal).where(leases.c.sink_id == sink_id, leases.c.resolved_at.is_(None))
-    waiting = select(quarantined_ids.c.ordinal).where(quarantined_ids.c.sink_id == sink_id,
-                                                      quarantined_ids.c.until > now)
-    return set(conn.execute(union_all(held, waiting)).scalars())
+    """Held by an unresolved lease or quarantined past `now` (one row, whatever their number)."""
+    return set(conn.execute(_BUSY, dict(sink_id=sink_id, now=now)).scalar_one() or ())
 
 
 def save(conn: Connection, pool: IdPool) -> None:
-    conn.execute(update(id_pools).where(id_pools.c.sink_id == pool.sink_id).values(size=pool.size, cursor=pool.cursor))
+    conn.execute(_SAVE, dict(pool_sink_id=pool.sink_id, size=pool.size, cursor=pool.cursor))
 
 
 def quarantine(conn: Connection, sink_id: int, ordinals: Iterable[int], until: datetime) -> None:

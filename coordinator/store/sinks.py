@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import Connection, func, insert, select, text, update
+from sqlalchemy import Connection, bindparam, func, insert, select, text, update
 
 from ..protocol import errors as e
 from ..protocol.model import Sink
@@ -21,21 +21,26 @@ from .tables import generations, id_pools, sinks
 Lock = Literal["share", "update"] | None
 
 
+_BY_NAME = select(sinks).where(sinks.c.name == bindparam("name"))
+_BY_NAME_LOCKED = {None: _BY_NAME, "share": _BY_NAME.with_for_update(read=True), "update": _BY_NAME.with_for_update()}
+
+
 def sink_by_name(conn: Connection, name: str, *, lock: Lock = None, retired: bool = False) -> Sink:
     """The sink, locked as asked. A retired sink is refused (409 sink_retired) unless `retired`."""
-    stmt = select(sinks).where(sinks.c.name == name)
-    if lock == "share":
-        stmt = stmt.with_for_update(read=True)
-    elif lock == "update":
-        stmt = stmt.with_for_update()
-    row = conn.execute(stmt).first()
+    row = conn.execute(_BY_NAME_LOCKED[lock], dict(name=name)).first()
     if row is None:
         raise e.NotFound("unknown_sink", f"no sink named {name!r}", sink=name)
     sink = Sink.from_mapping(row._mapping)
-    if sink.retired_at is not None and not retired:
-        raise e.Conflict(e.SINK_RETIRED, f"sink {name!r} was retired at {sink.retired_at.isoformat()}: it takes no "
-                         "more calls (its records and event trail stay readable)", retired_at=sink.retired_at.isoformat())
+    if not retired:
+        refuse_retired(sink)
     return sink
+
+
+def refuse_retired(sink: Sink) -> None:
+    if sink.retired_at is not None:
+        raise e.Conflict(e.SINK_RETIRED, f"sink {sink.name!r} was retired at {sink.retired_at.isoformat()}: it takes "
+                         "no more calls (its records and event trail stay readable)",
+                         retired_at=sink.retired_at.isoformat())
 
 
 def sink_row(conn: Connection, name: str) -> dict[str, Any] | None:

@@ -48,7 +48,7 @@ def test_full_cycle(admin: ProtocolClient, coordinator: Coordinator, kafka: Reco
     assert g == {"generation": 1, "aborted": [], "abort_pending": []}
     gen = g["generation"]
 
-    begun = w.begin(SINK, 0, gen)
+    begun = w.begin(SINK, 0, gen, offsets="sha256:b0")
     assert begun == {
         "action": "write", "batch_id": 0, "state": "OPEN", "attempt": 1,
         "resumed": False, "aborted": [], "abort_pending": [],
@@ -81,7 +81,7 @@ def test_full_cycle(admin: ProtocolClient, coordinator: Coordinator, kafka: Reco
     assert kafka.aborts == [(SINK, l1["transactional_id"])]
 
     # a replay of the batch after the commit skips writing
-    again = w.begin(SINK, 0, gen)
+    again = w.begin(SINK, 0, gen, offsets="sha256:b0")
     assert again["action"] == "skip" and again["state"] == "COMMITTED" and again["attempt"] is None
 
     detail = w.checkpoint(SINK, 0)

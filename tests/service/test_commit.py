@@ -60,7 +60,7 @@ def test_happy_path_every_transition(coordinator: Coordinator, kafka: RecordingC
     assert created and sink.commit_margin_ms == MARGIN_MS and sink.transaction_timeout_ms == TIMEOUT_MS
     gen, _ = c.start_generation(NAME, "q1", "r1", ACTOR)
 
-    begun = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=3)
+    begun = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=3, offsets_digest="sha256:b0")
     assert begun.action is BeginAction.NEW_ATTEMPT and begun.must_write and begun.pre_leased == 3
     assert begun.checkpoint.state is CheckpointState.OPEN and begun.attempt.number == 1
     taken_at = clock.now()
@@ -116,7 +116,7 @@ def test_happy_path_every_transition(coordinator: Coordinator, kafka: RecordingC
     # Spark replays batch 0 (crash after the commit, before its commit log): skip
     committed = c.snapshot()
     rows, calls = counts(c.engine), kafka_calls(kafka)
-    replay = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=3)
+    replay = c.begin_checkpoint(NAME, 0, gen, ACTOR, partitions=3, offsets_digest="sha256:b0")
     assert replay.action is BeginAction.SKIP and not replay.must_write and replay.pre_leased == 0
     assert replay.checkpoint == result.checkpoint and replay.attempt == result.attempt
     assert counts(c.engine) == rows and kafka_calls(kafka) == calls

@@ -183,7 +183,7 @@ def test_a_retired_sinks_halt_and_other_last_seen_gauges_are_dropped(
     c.lease("gone", 0, 1, other, 0, 7)
 
     def halted_in_database() -> dict[str, float]:
-        return {s.labels["sink"]: s.value for m in DatabaseCollector(c.engine, ttl_s=0).collect()
+        return {s.labels["sink"]: s.value for m in DatabaseCollector(c.ctx.read, ttl_s=0).collect()
                 if m.name == "coordinator_sink_halted" for s in m.samples}
 
     def near_timeout_gauged() -> set[str]:

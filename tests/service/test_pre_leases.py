@@ -285,7 +285,7 @@ def test_the_decision_and_its_records_are_durable_together(coordinator: Coordina
 
     # it dies right after the decision committed, before any Kafka call: decision and records together
     with monkeypatch.context() as patched, pytest.raises(RuntimeError):
-        patched.setattr(c.committer, "finish", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("died")))
+        patched.setattr(c.committer, "finish_decision", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("died")))
         c.commit(NAME, 0, 1, gen, results, ACTOR)
     stored = {x.id: x for x in c.snapshot().leases}
     assert {x.state for x in stored.values()} == {LeaseState.COMMITTING}

@@ -23,7 +23,7 @@ async def healthz() -> dict[str, str]:
 def readyz(coordinator: Service) -> JSONResponse:
     """Readiness: the database answers and its schema is at the current migration."""
     try:
-        current = schema_is_current(coordinator.engine)
+        current = coordinator.ctx.read(schema_is_current)
     except Exception as exc:  # any database failure means not ready
         return JSONResponse(status_code=503, content={"error": {"reason": "database_unavailable", "message": str(exc)}})
     if not current:

@@ -83,8 +83,8 @@ def test_the_writer_runs_under_spark_connect_with_a_task_retried_after_its_preco
 ) -> None:
     """Batch 0: partition 1's first task attempt fails after pre-committing; Spark retries it, the
     driver commits the attempt whose result `collect()` returned, the coordinator aborts the other.
-    Batch 1 is empty: no checkpoint. Every column arrives as Spark gave it; read_committed sees each
-    record once."""
+    Batch 1 is empty: committed with no lease. Every column arrives as Spark gave it; read_committed
+    sees each record once."""
     topic = real_kafka.create_topic(3)
     token = register(service, "connect", real_kafka.bootstrap, topic)
     batches = [list(range(0, 12)), [], list(range(12, 30))]
@@ -106,7 +106,8 @@ def test_the_writer_runs_under_spark_connect_with_a_task_retried_after_its_preco
         assert m.value() == (None if n == 3 else str(n).encode()) and m.partition() == n % 3, m
         assert m.headers() == [("trace", f"t{n}".encode()), ("empty", None)], m.headers()
     with CoordinatorClient(service.url, ADMIN, "connect") as c:
-        assert sorted(cp["batch_id"] for cp in c.checkpoints()) == [0, 2]  # batch 1 (empty) asked nothing
+        assert sorted(cp["batch_id"] for cp in c.checkpoints()) == [0, 1, 2]
+        assert c.checkpoint(1)["leases"] == []  # batch 1 (empty): no lease, no transaction
         leases = c.checkpoint(0)["leases"]
     retried = sorted(x["state"] for x in leases if x["partition"] == 1)
     assert retried == ["ABORTED", "COMMITTED"], leases  # two pre-committed attempts of one task, one winner

@@ -49,6 +49,14 @@ def is_connect(df: Any) -> bool:
     return type(df).__module__.startswith("pyspark.sql.connect")
 
 
+def coalesced(df: Any, max_tasks: int) -> Any:
+    """`df` with at most `max_tasks` partitions (0: as it is). Each write task is one Kafka
+    transaction (its markers, its EndTxn, its lease and record at the coordinator): more tasks
+    than the executors have slots only add transactions. `coalesce` merges partitions without a
+    shuffle and never adds any."""
+    return df.coalesce(max_tasks) if max_tasks > 0 else df
+
+
 def run_write_job(df: Any, spec: TaskSpec) -> list[TaskResult]:
     """One task per partition of `df` writes it; the accepted result of every partition."""
 

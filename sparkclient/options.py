@@ -13,6 +13,7 @@
 | `coordinator.request.timeout.ms` | no (30000) | per HTTP request |
 | `coordinator.retry.budget.ms` | no (120000) | total retry time of one call (connection errors, 5xx) |
 | `provenance.headers` | no (false) | add `eos-sink`, `eos-batch-id`, `eos-attempt`, `eos-lease-id` headers |
+| `max.write.tasks` | no (the context's default parallelism) | foreachBatch only: each write task is one Kafka transaction, so a batch with more partitions is coalesced to this many (no shuffle); `0` keeps the batch's partitions. Under Spark Connect the default is `0` (no SparkContext to ask) |
 | `offsets.binding` | no (`required`) | `required`: a batch whose `offsets/<batch_id>` entry cannot be read fails; `off`: write without binding batches to their offsets (warned once per run) |
 
 The native sink (sparkclient/sink.py) takes the same options; Spark gives it `checkpointLocation`
@@ -73,6 +74,7 @@ class WriterOptions:
     retry_budget_ms: int = 120_000
     provenance_headers: bool = False
     offsets_binding: str = OFFSETS_REQUIRED
+    max_write_tasks: int | None = None  # None: the Spark context's default parallelism; 0: keep the partitions
 
     @classmethod
     def parse(cls, options: Mapping[str, Any], *, from_spark: bool = False) -> WriterOptions:
@@ -90,7 +92,7 @@ class WriterOptions:
                 raise WriterOptionError(f"option {name!r} is required")
             return str(value)
 
-        def integer(name: str, default: int | None) -> int | None:
+        def integer(name: str, default: int | None, least: int = 1) -> int | None:
             value = opts.pop(name, None)
             if value is None:
                 return default
@@ -98,8 +100,9 @@ class WriterOptions:
                 number = int(value)
             except (TypeError, ValueError):
                 raise WriterOptionError(f"option {name!r} must be an integer, got {value!r}") from None
-            if number <= 0:
-                raise WriterOptionError(f"option {name!r} must be positive, got {number}")
+            if number < least:
+                raise WriterOptionError(f"option {name!r} must be {'positive' if least else 'zero or more'}, "
+                                        f"got {number}")
             return number
 
         def boolean(name: str, default: bool) -> bool:
@@ -121,6 +124,7 @@ class WriterOptions:
         request_timeout = integer("coordinator.request.timeout.ms", 30_000)
         budget = integer("coordinator.retry.budget.ms", 120_000)
         provenance = boolean("provenance.headers", False)
+        max_tasks = None if from_spark else integer("max.write.tasks", None, least=0)
         binding = str(opts.pop("offsets.binding", OFFSETS_REQUIRED)).lower()
         if binding not in (OFFSETS_REQUIRED, OFFSETS_OFF):
             raise WriterOptionError(f"option 'offsets.binding' must be {OFFSETS_REQUIRED!r} or {OFFSETS_OFF!r}, "
@@ -139,11 +143,12 @@ class WriterOptions:
         if opts:
             known = "kafka.bootstrap.servers, topic, kafka.*, coordinator.url, coordinator.token, coordinator.sink, " \
                     "checkpointLocation, transaction.timeout.ms, coordinator.request.timeout.ms, " \
-                    "coordinator.retry.budget.ms, provenance.headers, offsets.binding"
+                    "coordinator.retry.budget.ms, provenance.headers, offsets.binding, max.write.tasks (foreachBatch)"
             raise WriterOptionError(f"unknown option(s) {sorted(opts)}; known options: {known}")
         return cls(
             bootstrap_servers=bootstrap, coordinator_url=url, coordinator_token=token, sink=sink,
             checkpoint_location=checkpoint, topic=str(topic) if topic else None, producer_config=producer,
             transaction_timeout_ms=timeout, request_timeout_ms=request_timeout or 30_000,
             retry_budget_ms=budget or 120_000, provenance_headers=provenance, offsets_binding=binding,
+            max_write_tasks=max_tasks,
         )

@@ -8,7 +8,9 @@ read the lineage (Spark's query id in the checkpoint location's `metadata` file)
 generation; read the batch's `offsets/<batch_id>` entry (its digest binds the batch to what it
 reads; a missing entry fails the batch unless `offsets.binding=off`); `begin` the checkpoint (skip a
 batch already committed, finishing a decided commit first); run the write job over the executors
-(one task per partition on Arrow batches, sparkclient/jobs.py and executor.py); commit the results
+(one task per partition on Arrow batches, sparkclient/jobs.py and executor.py; a batch with more
+partitions than the context has task slots is coalesced to that many first: each task is one Kafka
+transaction, and a transaction costs the broker and the coordinator alike); commit the results
 Spark accepted (sparkclient/commit.py). A batch with no row is begun and committed without a
 transaction: checking emptiness first would cost a Spark job on every batch. A refused commit or a
 failed job raises, so the query stops and Spark replays the batch when it is restarted.
@@ -27,7 +29,7 @@ from .checkpoint_files import batch_offsets_digest, offsets_path, read_on_driver
 from .client import CoordinatorClient
 from .commit import BatchReport, abort_attempt, commit_batch, unexpected
 from .executor import BatchAttempt, Coordinator, FaultHook, TaskSpec, WriteSettings
-from .jobs import LineageError, current_run_id, query_identity, run_write_job
+from .jobs import LineageError, coalesced, current_run_id, is_connect, query_identity, run_write_job
 from .options import WriterOptionError, WriterOptions
 from .schema import check_schema
 from .session_settings import warn_if_slow_worker_socket
@@ -80,7 +82,7 @@ class ExactlyOnceKafkaWriter:
         spec = TaskSpec(self._settings(columns.columns), batch)
         job_started = time.monotonic()
         try:
-            results = run_write_job(df.select(*columns.columns), spec)
+            results = run_write_job(coalesced(df.select(*columns.columns), self._max_write_tasks(df)), spec)
         except BaseException as exc:
             # the job failed (a task exhausted its retries, or the query is stopping): end this
             # attempt's transactions now rather than wait for the next begin or the recovery loop
@@ -91,6 +93,15 @@ class ExactlyOnceKafkaWriter:
         self._report(replace(report, total_ms=_ms_since(started)))
 
     # --- driver helpers -----------------------------------------------------------------------
+
+    def _max_write_tasks(self, df: Any) -> int:
+        """How many tasks (transactions) may write a batch: the option, else every task slot of
+        the Spark context (classic; under Connect there is none to ask: 0, keep the partitions)."""
+        if self.options.max_write_tasks is not None:
+            return self.options.max_write_tasks
+        if is_connect(df):
+            return 0
+        return int(df.sparkSession.sparkContext.defaultParallelism)
 
     def _settings(self, columns: tuple[str, ...]) -> WriteSettings:
         o = self.options

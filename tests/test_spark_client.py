@@ -193,3 +193,15 @@ def test_a_missing_offsets_entry_fails_the_batch_unless_the_user_turned_the_bind
         assert batch_offsets_digest(entry, "/c/offsets/5", "off", ("s", "run-a")) is None  # off means off
         batch_offsets_digest(None, "/c/offsets/4", "off", ("s", "run-b"))
     assert len([r for r in caplog.records if "offsets.binding=off" in r.message]) == 2  # once per run
+
+
+def test_max_write_tasks_is_zero_or_more_and_the_native_sink_has_no_such_option() -> None:
+    base = {"kafka.bootstrap.servers": "k:9092", "topic": "t", "coordinator.url": "http://c:8000",
+            "coordinator.token": "x", "coordinator.sink": "s", "checkpointLocation": "/c"}
+    assert WriterOptions.parse(base).max_write_tasks is None  # the Spark context's default parallelism
+    assert WriterOptions.parse({**base, "max.write.tasks": "0"}).max_write_tasks == 0  # keep the partitions
+    assert WriterOptions.parse({**base, "max.write.tasks": "16"}).max_write_tasks == 16
+    with pytest.raises(WriterOptionError, match="'max.write.tasks' must be zero or more, got -1"):
+        WriterOptions.parse({**base, "max.write.tasks": "-1"})
+    with pytest.raises(WriterOptionError, match=r"unknown option\(s\) \['max.write.tasks'\]"):
+        WriterOptions.parse({**base, "max.write.tasks": "2"}, from_spark=True)  # Spark plans the sink's tasks

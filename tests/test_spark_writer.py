@@ -105,7 +105,8 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
         ("before_precommit", 4, 2),  # fails with an open, flushed transaction
     }))
     reports: list[BatchReport] = []
-    writer = ExactlyOnceKafkaWriter(options(service, real_kafka, "orders", token, topic, tmp_path / "chk"),
+    writer = ExactlyOnceKafkaWriter(options(service, real_kafka, "orders", token, topic, tmp_path / "chk",
+                                            **{"max.write.tasks": "0"}),  # each batch keeps its partitions
                                     on_batch=reports.append, fault_hook=faults)
 
     def each_batch(df: Any, batch_id: int) -> None:
@@ -289,8 +290,9 @@ def test_every_kafka_sink_column_is_written_as_spark_gives_it(
 ) -> None:
     """All five columns of Spark's Kafka-sink schema through the Arrow path, a null `value` (a
     tombstone), a null header value, the `partition` column and the `topic` column (no topic
-    option), as a read_committed consumer reads them. Called outside a streaming query, the batch
-    has no offsets entry: it fails loudly before `begin`, unless offsets.binding=off (warned once)."""
+    option), as a read_committed consumer reads them; the batch's six partitions are written by as
+    many tasks as the context has slots. Called outside a streaming query, the batch has no offsets
+    entry: it fails loudly before `begin`, unless offsets.binding=off (warned once)."""
     import logging
 
     from sparkclient.checkpoint_files import OffsetsUnavailable
@@ -313,12 +315,13 @@ def test_every_kafka_sink_column_is_written_as_spark_gives_it(
              [("trace", f"t{i}".encode()), ("empty", None)]) for i in range(6)]
     df = spark.createDataFrame(
         rows, "key binary, value binary, topic string, partition int, "
-              "headers array<struct<key: string, value: binary>>").repartition(2)
+              "headers array<struct<key: string, value: binary>>").repartition(6)
     reports: list[BatchReport] = []
     writer.on_batch = reports.append
     with caplog.at_level(logging.WARNING, logger="sparkclient.checkpoint_files"):
         writer(df, 0)
-    assert [(r.action, r.records) for r in reports] == [("committed", 6)]
+    # 6 partitions, 2 task slots (local[2,4]): written by 2 tasks, 2 transactions (max.write.tasks)
+    assert [(r.action, r.records, r.partitions) for r in reports] == [("committed", 6, 2)]
     assert [r.message for r in caplog.records].count(
         "option offsets.binding=off: batches are not bound to the offsets Spark planned for them, so a replay over "
         "other offsets (a checkpoint restored from a backup) is not refused") == 1

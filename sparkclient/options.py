@@ -35,6 +35,7 @@ RESERVED_PRODUCER_SETTINGS = {
     "transaction.timeout.ms": "it is the sink's transaction_timeout_ms; set it when registering the sink",
     "bootstrap.servers": "use kafka.bootstrap.servers",
     "on_delivery": "the writer checks every delivery report itself",
+    "delivery.report.only.error": "the writer reads every delivery report (the first offsets of its record)",
     "logger": "the writer reads librdkafka's eos log for the producer id (warnings still reach Python's logging)",
 }
 # Throughput-minded defaults for a producer that writes one partition's batch and then flushes.

@@ -133,6 +133,10 @@ class ExactlyOnceStreamWriter(DataSourceStreamArrowWriter):
         if not writes:
             log.info("sink %s batch=%d action=empty partitions=%d", self.options.sink, batchId, len(messages))
             return
+        misplaced = [(p, m.partition) for p, m in enumerate(messages) if m is not None and m.partition != p]
+        if misplaced:
+            raise unexpected("write job", batchId, f"messages of other partitions at {misplaced}",
+                             "one message per partition, in partition order")
         first = writes[0]
         results = [m.result if m is not None and m.result is not None else
                    TaskResult(p, None, 0, batchId, first.generation, first.attempt)

@@ -65,8 +65,10 @@ class ExactlyOnceKafkaWriter:
         o = self.options
         columns = check_schema(df.schema, topic_option=o.topic)  # before anything is written
         client = self._driver_client()
+        fresh_run = self._generation is None
         generation = self._ensure_generation(df)
-        warn_if_slow_worker_socket(df.sparkSession)
+        if fresh_run:
+            warn_if_slow_worker_socket(df.sparkSession)
         path = offsets_path(o.checkpoint_location, batch_id)
         entry = read_on_driver(df.sparkSession, path) if o.offsets_binding != "off" else None
         digest = batch_offsets_digest(entry, path, o.offsets_binding, (o.sink, self._run_id))

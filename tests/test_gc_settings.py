@@ -46,3 +46,21 @@ def test_python_s_default_would_have_started_collections_in_the_middle_of_such_a
     records = [{"partition": p, "lease_id": p} for p in range(20_000)]
     assert len(restored_gc) >= 10
     del records
+
+
+def test_an_executor_worker_freezes_its_heap_once_after_its_first_task(restored_gc: list[int]) -> None:
+    """PySpark's daemon runs gc.collect() after every task of a reused Python worker, walking every
+    object the worker imported (10-25 ms a task). The writer's first task in a worker moves what is
+    alive then out of the collector's reach (sparkclient/executor.py); later tasks freeze nothing
+    more, so their own garbage is still collected."""
+    from sparkclient import executor
+
+    gc.unfreeze()
+    executor._GC_FROZEN_IN = None  # a fresh worker
+    assert gc.get_freeze_count() == 0
+    executor.settle_worker_gc()
+    frozen = gc.get_freeze_count()
+    assert frozen > 1000  # the modules, their functions and caches
+    later_task = [[i] for i in range(1000)]
+    executor.settle_worker_gc()  # the worker's next task
+    assert gc.get_freeze_count() == frozen and later_task

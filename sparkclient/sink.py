@@ -34,7 +34,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, Writ
 from .checkpoint_files import batch_offsets_digest, offsets_path, read_on_executor
 from .client import CoordinatorClient, CoordinatorError
 from .commit import abort_attempt, commit_batch, unexpected
-from .executor import Coordinator, FaultHook, TaskResult, TaskSpec, TaskTry, WriteSettings, write_task
+from .executor import Coordinator, FaultHook, TaskResult, TaskSpec, TaskTry, WriteSettings, settle_worker_gc, write_task
 from .options import WriterOptions
 from .produce import non_empty
 from .schema import check_schema
@@ -74,6 +74,7 @@ class ExactlyOnceStreamWriter(DataSourceStreamArrowWriter):
     """Made on the driver for each batch (and again for its commit); pickled to the executors."""
 
     def __init__(self, options: Any, schema: Any, fault_hook: FaultHook | None = None) -> None:
+        settle_worker_gc()  # in Spark's planner and commit processes on the driver, reused batch after batch
         self.options = WriterOptions.parse(dict(options), from_spark=True)
         columns = check_schema(schema, topic_option=self.options.topic)
         o = self.options

@@ -48,19 +48,27 @@ def test_python_s_default_would_have_started_collections_in_the_middle_of_such_a
     del records
 
 
-def test_an_executor_worker_freezes_its_heap_once_after_its_first_task(restored_gc: list[int]) -> None:
+def test_a_python_worker_freezes_what_it_keeps_so_pyspark_s_collect_after_each_task_stays_small(
+    restored_gc: list[int],
+) -> None:
     """PySpark's daemon runs gc.collect() after every task of a reused Python worker, walking every
-    object the worker imported (10-25 ms a task). The writer's first task in a worker moves what is
-    alive then out of the collector's reach (sparkclient/executor.py); later tasks freeze nothing
-    more, so their own garbage is still collected."""
+    object not frozen. A task of the writer freezes the oldest generation when it holds more than
+    UNFROZEN_LIMIT objects (the modules a worker imports during its first tasks); a few long-lived
+    objects more do not freeze again, a worker's later imports do."""
     from sparkclient import executor
 
     gc.unfreeze()
-    executor._GC_FROZEN_IN = None  # a fresh worker
-    assert gc.get_freeze_count() == 0
+    gc.collect()  # what the daemon did after the previous task: the survivors are old now
+    assert len(gc.get_objects(generation=2)) > executor.UNFROZEN_LIMIT  # pytest, pyspark, ... imported
     executor.settle_worker_gc()
     frozen = gc.get_freeze_count()
-    assert frozen > 1000  # the modules, their functions and caches
-    later_task = [[i] for i in range(1000)]
-    executor.settle_worker_gc()  # the worker's next task
-    assert gc.get_freeze_count() == frozen and later_task
+    assert frozen > executor.UNFROZEN_LIMIT and len(gc.get_objects(generation=2)) == 0
+    kept_a_little = [[i] for i in range(executor.UNFROZEN_LIMIT // 2)]
+    gc.collect()
+    executor.settle_worker_gc()
+    assert gc.get_freeze_count() == frozen  # not worth a freeze
+    imported_later = [[i] for i in range(executor.UNFROZEN_LIMIT * 2)]  # stands for pandas, imported by task 2
+    gc.collect()
+    executor.settle_worker_gc()
+    assert gc.get_freeze_count() > frozen + executor.UNFROZEN_LIMIT and len(gc.get_objects(generation=2)) == 0
+    assert kept_a_little and imported_later

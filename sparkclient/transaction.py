@@ -35,6 +35,7 @@ from .produce import Columns, Deliveries, ProduceTarget, Produced, produce_batch
 log = logging.getLogger(__name__)
 
 KAFKA_CALL_TIMEOUT_S = 60.0
+FLUSH_STEP_S = 0.2  # how often a flush looks whether a record already failed
 ABORT_TIMEOUT_S = 10.0
 _PID = re.compile(r"PID\{Id:(\d+),Epoch:(\d+)\}")
 
@@ -137,6 +138,17 @@ def new_producer(settings: ProducerSettings, deliveries: Deliveries, eos: EosLog
                              "e.g. kafka.message.max.bytes where Java's producer says max.request.size") from exc
 
 
+def flush(producer: Any, deliveries: Deliveries, eos: EosLog) -> int:
+    """`flush()`, ended early once a record failed: the transaction is lost then, and librdkafka
+    would hold the records queued after the failure until they time out (the transaction timeout,
+    60 s by default) before it gave them back. Returns the records still queued."""
+    deadline = time.monotonic() + KAFKA_CALL_TIMEOUT_S
+    while True:
+        left = producer.flush(FLUSH_STEP_S)
+        if not left or deliveries.failed or eos.errors or time.monotonic() >= deadline:
+            return int(left)
+
+
 @contextmanager
 def collector_paused() -> Iterator[None]:
     """No automatic garbage collection while records are produced and delivered. Every delivery
@@ -174,7 +186,7 @@ def write(settings: ProducerSettings, first: Any, rest: Iterator[Any], columns: 
         producer.begin_transaction()
         with collector_paused():
             produced = produce_batches(producer, chain([first], rest), columns, target, batch_id)
-            left = producer.flush(KAFKA_CALL_TIMEOUT_S)
+            left = flush(producer, deliveries, eos)
         delivered_all = not left and not deliveries.failed and not eos.errors
         if not delivered_all:
             raise DeliveryFailed(

@@ -7,6 +7,7 @@ read_committed consumer sees) is the judge.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,13 +70,13 @@ def test_a_task_leaves_no_producer_behind_its_transaction_open_and_names_the_pro
     import gc
 
     topic = real_kafka.create_topic(1)
-    token = register(service, "tasks", real_kafka.bootstrap, topic)
-    with CoordinatorClient(service.url, token, "tasks") as c:
+    token = register(service, "core-tasks", real_kafka.bootstrap, topic)
+    with CoordinatorClient(service.url, token, "core-tasks") as c:
         gen = c.start_generation("query-tasks", "run-1")["generation"]
         before = native_threads()
         for batch in range(3):
             begun = c.begin(batch, gen)
-            spec = spec_for(service, token, "tasks", real_kafka.bootstrap, topic, ("key", "value"), begun, batch, gen)
+            spec = spec_for(service, token, "core-tasks", real_kafka.bootstrap, topic, ("key", "value"), begun, batch, gen)
             result = write_task(spec, TaskTry(0, 500 + batch, 0), kv_batches(str(batch), 50))
             gc.collect()
             assert native_threads() == before, f"batch {batch}: threads left behind"
@@ -116,11 +117,11 @@ def test_a_task_reports_the_first_offset_of_a_few_topic_partitions_only(
         for i in range(2):
             plain.produce(topic, f"before-{i}".encode(), partition=p)
     assert plain.flush(30) == 0
-    token = register(service, "wide", real_kafka.bootstrap, topic)
-    with CoordinatorClient(service.url, token, "wide") as c:
+    token = register(service, "core-wide", real_kafka.bootstrap, topic)
+    with CoordinatorClient(service.url, token, "core-wide") as c:
         gen = c.start_generation("query-wide", "run-1")["generation"]
         begun = c.begin(0, gen)
-        spec = spec_for(service, token, "wide", real_kafka.bootstrap, topic, ("key", "value", "partition"), begun, 0,
+        spec = spec_for(service, token, "core-wide", real_kafka.bootstrap, topic, ("key", "value", "partition"), begun, 0,
                         gen)
         rows = [(f"k{p}-{i}", f"v{p}-{i}", p) for p in (5, 4, 3, 2, 1, 0) for i in range(3)]
         batch = pa.record_batch([pa.array([r[0] for r in rows]), pa.array([r[1] for r in rows]),
@@ -141,7 +142,7 @@ def test_every_column_of_spark_s_kafka_sink_from_arrow(service: ServiceProcess, 
     option), the `partition` column with a null (the partitioner decides), `headers` with a null
     header value and an empty list, plus the provenance headers: as a read_committed consumer reads them."""
     topic = real_kafka.create_topic(3)
-    token = register(service, "columns", real_kafka.bootstrap, topic)
+    token = register(service, "core-columns", real_kafka.bootstrap, topic)
     headers_type = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
     batch = pa.record_batch([
         pa.array([b"k0", b"k1", b"k2", None], pa.binary()),
@@ -151,16 +152,16 @@ def test_every_column_of_spark_s_kafka_sink_from_arrow(service: ServiceProcess, 
         pa.array([[{"key": "trace", "value": b"t0"}, {"key": "empty", "value": None}], [], None,
                   [{"key": "trace", "value": b"t3"}]], headers_type),
     ], names=["key", "value", "topic", "partition", "headers"])
-    with CoordinatorClient(service.url, token, "columns") as c:
+    with CoordinatorClient(service.url, token, "core-columns") as c:
         gen = c.start_generation("query-columns", "run-1")["generation"]
         begun = c.begin(0, gen)
-        spec = spec_for(service, token, "columns", real_kafka.bootstrap, None,
+        spec = spec_for(service, token, "core-columns", real_kafka.bootstrap, None,
                         ("key", "value", "topic", "partition", "headers"), begun, 0, gen)
         result = write_task(spec, TaskTry(0, 1, 0), [batch])
         assert result.records == 4 and result.bytes == 2 * 3 + 2 * 3
         c.commit(0, begun["attempt"], gen, {0: result.lease_id}, records={0: result.precommit_record()})
     got = {m.value(): m for m in read_committed(real_kafka.bootstrap, topic)}
-    provenance = [("eos-sink", b"columns"), ("eos-batch-id", b"0"), ("eos-attempt", str(begun["attempt"]).encode()),
+    provenance = [("eos-sink", b"core-columns"), ("eos-batch-id", b"0"), ("eos-attempt", str(begun["attempt"]).encode()),
                   ("eos-lease-id", str(result.lease_id).encode())]
     assert got[b"v0"].key() == b"k0" and got[b"v0"].partition() == 2
     assert got[b"v0"].headers() == [("trace", b"t0"), ("empty", None), *provenance]
@@ -174,21 +175,25 @@ def test_a_record_the_broker_refuses_fails_the_task_and_its_transaction_is_abort
     service: ServiceProcess, real_kafka: RealKafka
 ) -> None:
     """Every delivery report is checked: the broker refuses one record of the batch (larger than the
-    topic's max.message.bytes), so the task raises DeliveryFailed instead of returning a record;
+    topic's max.message.bytes), so the task raises DeliveryFailed instead of returning a record, as
+    soon as the failure is known;
     the driver's abort of the attempt ends its transaction (on a transaction.version=2 broker the
     task's own abort is fenced: librdkafka speaks version 1), and nothing of it ever becomes visible."""
     topic = real_kafka.create_topic(1, **{"max.message.bytes": "2000"})
-    token = register(service, "refused", real_kafka.bootstrap, topic)
+    token = register(service, "core-refused", real_kafka.bootstrap, topic)
     values = ["small"] * 30 + ["x" * 5000] + ["small"] * 30
     batch = pa.record_batch([pa.array([str(i) for i in range(len(values))]), pa.array(values)], names=["key", "value"])
-    with CoordinatorClient(service.url, token, "refused") as c:
+    with CoordinatorClient(service.url, token, "core-refused") as c:
         gen = c.start_generation("query-refused", "run-1")["generation"]
         begun = c.begin(0, gen)
-        spec = spec_for(service, token, "refused", real_kafka.bootstrap, topic, ("key", "value"), begun, 0, gen,
+        spec = spec_for(service, token, "core-refused", real_kafka.bootstrap, topic, ("key", "value"), begun, 0, gen,
                         producer_config={"batch.size": 1000})  # the big record travels in a batch of its own
-        with pytest.raises(DeliveryFailed, match=r"61 records produced, 0 still queued, [1-9]\d* failed") as failed:
+        started = time.monotonic()
+        with pytest.raises(DeliveryFailed, match=r"61 records produced, \d+ still queued, [1-9]\d* failed") as failed:
             write_task(spec, TaskTry(0, 1, 0), [batch])
         assert "too large" in str(failed.value).lower(), failed.value
+        # it fails at once, not when the records queued after the failure time out with the transaction (60 s)
+        assert time.monotonic() - started < 30
         c.abort(0, begun["attempt"], gen, "the write job failed")  # what the driver does then
     log = settled_partition_log(real_kafka.bootstrap, topic, 0)
     assert not log.has_open_transaction and {b.marker for b in log.batches if b.marker} <= {"abort"}
@@ -207,14 +212,14 @@ def test_a_sink_with_a_transaction_timeout_below_the_producer_request_timeout_wr
     from sparkclient.transaction import producer_socket_timeout_ms
 
     topic = real_kafka.create_topic(1)
-    token = register(service, "short-timeout", real_kafka.bootstrap, topic, transaction_timeout_ms=40_000)
+    token = register(service, "core-short-timeout", real_kafka.bootstrap, topic, transaction_timeout_ms=40_000)
     with pytest.raises(KafkaException, match="socket.timeout.ms"):  # what a task ran into before
         Producer({"bootstrap.servers": real_kafka.bootstrap, "transactional.id": "short-timeout-probe",
                   "transaction.timeout.ms": 40_000, "socket.timeout.ms": 60_000})
-    with CoordinatorClient(service.url, token, "short-timeout") as c:
+    with CoordinatorClient(service.url, token, "core-short-timeout") as c:
         gen = c.start_generation("query-short", "run-1")["generation"]
         begun = {**c.begin(0, gen), "producer_request_timeout_ms": 60_000}
-        spec = spec_for(service, token, "short-timeout", real_kafka.bootstrap, topic, ("key", "value"), begun, 0, gen)
+        spec = spec_for(service, token, "core-short-timeout", real_kafka.bootstrap, topic, ("key", "value"), begun, 0, gen)
         result = write_task(spec, TaskTry(0, 1, 0), kv_batches("s", 5))
         answer = c.commit(0, begun["attempt"], gen, {0: result.lease_id}, records={0: result.precommit_record()})
     assert answer["state"] == "COMMITTED" and answer["committed"][0]["records"] == 5

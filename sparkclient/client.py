@@ -139,8 +139,9 @@ class CoordinatorClient:
 
     def begin(self, batch_id: int, generation: int, *, partitions: int | None = None,
               offsets: str | None = None) -> dict[str, Any]:
-        """With `partitions`, a write answer carries each partition's first-try lease (pre_leases);
-        `offsets` (a digest of Spark's offsets entry) binds the batch to what it reads."""
+        """With `partitions`, the coordinator takes one id per partition for the partitions' first
+        tries (each try still asks the lease route, which answers the pre-lease to the first try
+        that claims it); `offsets` (a digest of Spark's offsets entry) binds the batch to what it reads."""
         body: dict[str, Any] = {"generation": generation}
         if partitions is not None:
             body["partitions"] = partitions
@@ -152,17 +153,12 @@ class CoordinatorClient:
         body = {"generation": generation, "partition": partition, "task_attempt_id": task_attempt_id}
         return self.request("POST", f"/v1/sinks/{self.sink}/checkpoints/{batch_id}/attempts/{attempt}/leases", body)
 
-    def precommit(self, lease_id: int, generation: int, producer_id: int, producer_epoch: int, records: int,
-                  bytes_: int, write_ms: int | None = None) -> dict[str, Any]:
-        body = {"generation": generation, "producer_id": producer_id, "producer_epoch": producer_epoch,
-                "records": records, "bytes": bytes_, "write_ms": write_ms}
-        return self.request("POST", f"/v1/sinks/{self.sink}/leases/{lease_id}/precommit", body)
-
     def commit(self, batch_id: int, attempt: int, generation: int, winners: dict[int, int | None],
                job_ms: int | None = None, *, records: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
         """`winners`: every partition 0..N-1 -> its winning lease id, None for an empty partition.
-        `records`: partition -> the winner's pre-commit record from its task result (producer_id,
-        producer_epoch, records, bytes, write_ms, first_offsets); stored with the decision."""
+        `records`: partition -> the winner's pre-commit record from its task result
+        (task_attempt_id: the try that claimed the lease, producer_id, producer_epoch, records,
+        bytes, write_ms, first_offsets); stored with the decision."""
         records = records or {}
         body = {"generation": generation, "job_ms": job_ms,
                 "partitions": [{"partition": p, "lease_id": lid, **(records.get(p) or {})}

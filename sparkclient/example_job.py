@@ -31,7 +31,9 @@ first line names the checkpoint, and `--checkpoint-location` with it continues t
 stopped: a run whose checkpoint has nothing new to read says so and exits 0.
 
 Every output record has the input record's key and value and the provenance headers (eos-sink,
-eos-batch-id, eos-attempt, eos-lease-id). One line per batch (id, action, records, durations);
+eos-batch-id, eos-attempt, eos-lease-id). The Spark session talks to its Python workers over Unix
+domain sockets (`spark.python.unix.domain.socket.enabled=true`, docs/spark.md#small-batches). One
+line per batch (id, action, records, durations);
 the last line sums the run up. Exit codes: 0 done (or stopped with Ctrl-C), 1 the query failed,
 2 bad settings or the coordinator refused the sink.
 """
@@ -49,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from .client import CoordinatorClient, CoordinatorError
+from .session_settings import RECOMMENDED_CONF
 from .writer import BatchReport, ExactlyOnceKafkaWriter
 
 log = logging.getLogger("sparkclient.example_job")
@@ -269,10 +272,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # executors' Python workers need this package and confluent-kafka: in local mode, use this interpreter
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    spark = (SparkSession.builder.master(s["SPARK_MASTER"]).appName("exactly-once-demo")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "4")
-             .config("spark.jars", jars).getOrCreate())
+    builder = (SparkSession.builder.master(s["SPARK_MASTER"]).appName("exactly-once-demo")
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", "4")
+               .config("spark.jars", jars))
+    for key, value in RECOMMENDED_CONF.items():  # Unix domain sockets to the Python workers (Spark 4.0+)
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     reports: list[BatchReport] = []
 

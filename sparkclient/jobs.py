@@ -1,19 +1,17 @@
-"""How the driver runs a batch's write job and learns the query's identity, on classic PySpark
-(3.5, 4.x: the RDD API and the JVM) and on Spark Connect (4.x: DataFrame operations only).
+"""How the foreachBatch writer's driver runs a batch's write job and learns the query's identity,
+on classic PySpark (3.5, 4.x) and on Spark Connect (4.x).
 
-The write job: one task per partition of the batch runs `executor.write_partition` and returns one
-TaskResult; the driver's `collect()` keeps exactly one result per partition, the one of the task
-attempt Spark accepted (a retried or speculative copy's result is discarded).
-- classic: `df.rdd.mapPartitionsWithIndex(...).collect()`; the partition count is known before
-  the job runs.
-- Connect: `df.mapInArrow(...)` (`df.rdd` does not exist there); the task's partition comes from
-  `TaskContext`, its result travels as one pickled binary cell, and `mapInArrow` calls the
-  function for empty partitions too, so `collect()` answers one row per partition and the count
-  is known once the job ran.
+The write job: `df.mapInArrow(...)` on both APIs (no `df.rdd`: rows are not pickled for Python);
+each task takes its partition from `TaskContext`, gets its rows as Arrow record batches
+(sparkclient/executor.py) and returns one TaskResult as one pickled binary cell. `mapInArrow`
+calls the function for empty partitions too, so `collect()` answers exactly one result per
+partition, the one of the task try Spark accepted (a retried or speculative copy's is dropped),
+and the partition count is the number of results. Nothing else runs a Spark job per batch: no
+emptiness check (an empty batch is begun and committed without a transaction), and the checkpoint
+files are read without one where the API allows it (sparkclient/checkpoint_files.py).
 
-The identity (DESIGN §3 step 1): the query id is read from `<checkpointLocation>/metadata` with
-Spark's own reader (any file system Spark can use; no JVM access needed). The run id, and the check
-that the checkpoint location belongs to the running query:
+The identity (DESIGN §3 step 1): the query id is read from `<checkpointLocation>/metadata`. The
+run id, and the check that the checkpoint location belongs to the running query:
 - classic: the local properties Spark sets on the thread that runs foreachBatch (the running
   query's id, and the job group named by the run id);
 - Connect: no local properties reach the foreachBatch function (it runs in a Python process of the
@@ -30,26 +28,20 @@ from __future__ import annotations
 import json
 import pickle
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
-from .executor import TaskResult, TaskSpec, write_partition
-from .stages import StageRetries
+from .checkpoint_files import metadata_path, read_on_driver
+from .executor import TaskResult, TaskSpec, TaskTry, write_task
 
-# local properties Spark (classic) sets on the thread that runs foreachBatch
+# local properties Spark (classic) sets on the thread that runs foreachBatch, and on its tasks
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
 RUN_ID_PROPERTY = "spark.jobGroup.id"  # StreamExecution runs every batch in a job group named by its run id
-RESULT_COLUMN = "task_result"  # Connect: the pickled TaskResult of one task
+BATCH_ID_PROPERTY = "streaming.sql.batchId"  # set by MicroBatchExecution for its tasks
+RESULT_COLUMN = "task_result"  # the pickled TaskResult of one task
 
 
 class LineageError(RuntimeError):
     """The checkpoint location does not belong to the running query, or has no metadata."""
-
-
-class WriteJob(Protocol):
-    partitions: int | None  # known before the job runs (classic), else None (Connect)
-    stage_retried: bool  # after run: a stage of the job was retried (sparkclient/stages.py)
-
-    def run(self, spec: TaskSpec) -> list[TaskResult]: ...
 
 
 def is_connect(df: Any) -> bool:
@@ -57,66 +49,25 @@ def is_connect(df: Any) -> bool:
     return type(df).__module__.startswith("pyspark.sql.connect")
 
 
-def write_job(df: Any) -> WriteJob:
-    return ConnectWriteJob(df) if is_connect(df) else ClassicWriteJob(df)
+def coalesced(df: Any, max_tasks: int) -> Any:
+    """`df` with at most `max_tasks` partitions (0: as it is). Each write task is one Kafka
+    transaction (its markers, its EndTxn, its lease and record at the coordinator): more tasks
+    than the executors have slots only add transactions. `coalesce` merges partitions without a
+    shuffle and never adds any."""
+    return df.coalesce(max_tasks) if max_tasks > 0 else df
 
 
-class ClassicWriteJob:
-    def __init__(self, df: Any) -> None:
-        self._rdd = df.rdd
-        self.partitions: int | None = self._rdd.getNumPartitions()
-        self._stages = StageRetries.of(df)
-        # a stage of the job ran twice: two first tries of a partition may have used its pre-lease
-        self.stage_retried = False
+def run_write_job(df: Any, spec: TaskSpec) -> list[TaskResult]:
+    """One task per partition of `df` writes it; the accepted result of every partition."""
 
-    def run(self, spec: TaskSpec) -> list[TaskResult]:
-        if self.partitions == 0:
-            return []
-        known = self._stages.job_ids() if self._stages else set()
-        results = self._rdd.mapPartitionsWithIndex(lambda index, rows: write_partition(spec, index, rows)).collect()
-        self.stage_retried = bool(self._stages and self._stages.retried(self._stages.job_ids() - known))
-        return results
+    def task(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
 
+        result = write_task(spec, TaskTry.current(), batches)
+        yield pa.RecordBatch.from_pylist([{RESULT_COLUMN: pickle.dumps(result)}])
 
-class ConnectWriteJob:
-    def __init__(self, df: Any) -> None:
-        self._df = df
-        self.partitions: int | None = None
-        self.stage_retried = False  # no pre-leases on Connect: every task leases its own id
-
-    def run(self, spec: TaskSpec) -> list[TaskResult]:
-        columns = list(self._df.columns)
-
-        def task(batches: Iterator[Any]) -> Iterator[Any]:
-            import pyarrow as pa
-            from pyspark import TaskContext
-
-            partition = TaskContext.get().partitionId()
-            for result in write_partition(spec, partition, arrow_rows(batches, columns)):
-                yield pa.RecordBatch.from_pylist([{RESULT_COLUMN: pickle.dumps(result)}])
-
-        rows = self._df.mapInArrow(task, f"{RESULT_COLUMN} binary").collect()
-        results = [pickle.loads(row[RESULT_COLUMN]) for row in rows]
-        self.partitions = len(results)
-        return results
-
-
-def arrow_rows(batches: Iterator[Any], columns: list[str]) -> Iterator[tuple[Any, ...]]:
-    """Arrow record batches as row tuples shaped like classic PySpark's rows (a `headers` entry is
-    a (key, value) pair, not Arrow's {"key", "value"} struct dict)."""
-    i_headers = columns.index("headers") if "headers" in columns else None
-    for batch in batches:
-        cells = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
-        if i_headers is not None:
-            cells[i_headers] = [None if hs is None else [(h["key"], h["value"]) for h in hs]
-                                for hs in cells[i_headers]]
-        yield from zip(*cells)
-
-
-def batch_is_empty(df: Any) -> bool:
-    """Whether the batch has no row: a Spark job that stops at the first row it finds (on both
-    APIs). The write job reads the batch again; a micro-batch reads the same offsets both times."""
-    return bool(df.isEmpty())
+    rows = df.mapInArrow(task, f"{RESULT_COLUMN} binary").collect()
+    return [pickle.loads(row[RESULT_COLUMN]) for row in rows]
 
 
 # --- identity ---------------------------------------------------------------------------------
@@ -151,16 +102,13 @@ def current_run_id(df: Any, query_id: str | None, fallback_run_id: str) -> str |
 
 
 def read_query_id(spark: Any, checkpoint_location: str) -> str:
-    """Spark's query id from `<checkpointLocation>/metadata` (a JSON line {"id": ...}), read with
-    Spark's text reader so any location Spark can use (local, HDFS, S3A...) works."""
-    path = checkpoint_location.rstrip("/") + "/metadata"
-    try:
-        lines = [row[0] for row in spark.read.text(path).limit(1).collect()]
-    except Exception as exc:  # AnalysisException (PATH_NOT_FOUND) on both APIs
-        if "PATH_NOT_FOUND" in str(exc) or "does not exist" in str(exc):
-            raise LineageError(f"{path} does not exist: is checkpointLocation the query's checkpoint "
-                               "location?") from None
-        raise
+    """Spark's query id from `<checkpointLocation>/metadata` (a JSON line {"id": ...}), read so
+    that any location Spark can use (local, HDFS, S3A...) works (sparkclient/checkpoint_files.py)."""
+    path = metadata_path(checkpoint_location)
+    text = read_on_driver(spark, path)
+    if text is None:
+        raise LineageError(f"{path} does not exist: is checkpointLocation the query's checkpoint location?")
+    lines = text.splitlines()
     try:
         return str(json.loads(lines[0])["id"])
     except (IndexError, TypeError, ValueError, KeyError):

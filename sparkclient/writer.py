@@ -1,62 +1,42 @@
-"""Driver side: the foreachBatch function that makes a micro-batch one exactly-once checkpoint.
+"""Driver side of the foreachBatch writer: a micro-batch becomes one exactly-once checkpoint.
 
     writer = ExactlyOnceKafkaWriter({...options...})
     df.writeStream.foreachBatch(writer).option("checkpointLocation", path).start()
 
 Per batch (DESIGN §3): check the schema (before anything is written); on the first batch of a run,
 read the lineage (Spark's query id in the checkpoint location's `metadata` file) and start a
-generation; a batch with no row ends there (no transaction, no checkpoint: a replay of it is
-empty too); `begin` the checkpoint (skip a batch already committed, finishing a decided commit
-first); run the write job over the executors (one task per partition, sparkclient/executor.py;
-classic PySpark or Spark Connect, sparkclient/jobs.py); take the winner of each partition from
-the task results Spark accepted; commit. A refused commit or a failed job raises, so the query
-stops and Spark replays the batch when it is restarted.
+generation; read the batch's `offsets/<batch_id>` entry (its digest binds the batch to what it
+reads; a missing entry fails the batch unless `offsets.binding=off`); `begin` the checkpoint (skip a
+batch already committed, finishing a decided commit first); run the write job over the executors
+(one task per partition on Arrow batches, sparkclient/jobs.py and executor.py; a batch with more
+partitions than the context has task slots is coalesced to that many first: each task is one Kafka
+transaction, and a transaction costs the broker and the coordinator alike); commit the results
+Spark accepted (sparkclient/commit.py). A batch with no row is begun and committed without a
+transaction: checking emptiness first would cost a Spark job on every batch. A refused commit or a
+failed job raises, so the query stops and Spark replays the batch when it is restarted.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
-from .client import CoordinatorClient, CoordinatorError
-from .executor import KAFKA_CALL_TIMEOUT_S, FaultHook, TaskResult, TaskSpec
-from .jobs import LineageError, batch_is_empty, current_run_id, query_identity, write_job
+from .checkpoint_files import batch_offsets_digest, offsets_path, read_on_driver
+from .client import CoordinatorClient
+from .commit import BatchReport, abort_attempt, commit_batch, unexpected
+from .executor import BatchAttempt, Coordinator, FaultHook, TaskSpec, WriteSettings
+from .jobs import LineageError, coalesced, current_run_id, is_connect, query_identity, run_write_job
 from .options import WriterOptionError, WriterOptions
 from .schema import check_schema
+from .session_settings import warn_if_slow_worker_socket
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BatchReport", "ExactlyOnceKafkaWriter", "LineageError", "winners_of"]
-
-
-@dataclass(frozen=True)
-class BatchReport:
-    """What one foreachBatch call did, with its figures (also logged, one line per batch)."""
-
-    batch_id: int
-    action: str  # "committed", "skipped" (already committed), "resumed" (a decided commit finished, then
-    # skipped), "empty" (no row: nothing asked of the coordinator beyond the run's generation)
-    attempt: int | None
-    partitions: int = 0
-    records: int = 0
-    bytes: int = 0
-    job_ms: int = 0
-    commit_ms: int = 0
-    total_ms: int = 0
-    winners: dict[int, int | None] = field(default_factory=dict)
-
-    def line(self) -> str:
-        return (f"batch={self.batch_id} action={self.action} attempt={self.attempt} partitions={self.partitions} "
-                f"records={self.records} bytes={self.bytes} job_ms={self.job_ms} commit_ms={self.commit_ms} "
-                f"total_ms={self.total_ms}")
-
-
-MAX_STAGE_RETRY_REDOS = 3
+__all__ = ["BatchReport", "ExactlyOnceKafkaWriter", "LineageError"]
 
 
 class ExactlyOnceKafkaWriter:
@@ -80,96 +60,57 @@ class ExactlyOnceKafkaWriter:
         self._client: CoordinatorClient | None = None
         self._sink_checked = False
 
-    # --- the foreachBatch call ----------------------------------------------------------------
-
-    def __call__(self, df: Any, batch_id: int, _redo: int = 0) -> None:
+    def __call__(self, df: Any, batch_id: int) -> None:
         started = time.monotonic()
         o = self.options
         columns = check_schema(df.schema, topic_option=o.topic)  # before anything is written
         client = self._driver_client()
+        fresh_run = self._generation is None
         generation = self._ensure_generation(df)
-        if o.skip_empty_batches and batch_is_empty(df):
-            self._report(BatchReport(batch_id, "empty", None, total_ms=_ms_since(started)))
-            return
-        job = write_job(df.select(*columns.columns))
-        # the partition count, when known before the job runs (classic), gets first tries pre-leased
-        # ids; on Spark Connect it is known only after, so every task leases its own
-        partitions = job.partitions
-        offsets = read_offsets_digest(df.sparkSession, o.checkpoint_location, batch_id)
-        begun = client.begin(batch_id, generation, partitions=partitions, offsets=offsets)
-        received_at = time.time()  # the pre-leases' age is measured from here (plus their age when answered)
+        if fresh_run:
+            warn_if_slow_worker_socket(df.sparkSession)
+        path = offsets_path(o.checkpoint_location, batch_id)
+        entry = read_on_driver(df.sparkSession, path) if o.offsets_binding != "off" else None
+        digest = batch_offsets_digest(entry, path, o.offsets_binding, (o.sink, self._run_id))
+        begun = client.begin(batch_id, generation, offsets=digest)
         if begun.get("action") not in ("write", "skip") or (begun["action"] == "write" and begun.get("attempt") is None):
-            raise _unexpected("begin", batch_id, f"action {begun.get('action')!r} (attempt {begun.get('attempt')})",
-                              "action 'write' with an attempt, or 'skip'")
+            raise unexpected("begin", batch_id, f"action {begun.get('action')!r} (attempt {begun.get('attempt')})",
+                             "action 'write' with an attempt, or 'skip'")
         if begun["action"] == "skip":
-            report = BatchReport(batch_id, "resumed" if begun["resumed"] else "skipped", None,
-                                 total_ms=_ms_since(started))
-            self._report(report)
+            self._report(BatchReport(batch_id, "resumed" if begun["resumed"] else "skipped", None,
+                                     total_ms=_ms_since(started)))
             return
-        attempt = int(begun["attempt"])
-        spec = TaskSpec(
-            coordinator_url=o.coordinator_url, coordinator_token=o.coordinator_token, sink=o.sink,
-            request_timeout_ms=o.request_timeout_ms, retry_budget_ms=o.retry_budget_ms, batch_id=batch_id,
-            attempt=attempt, generation=generation, bootstrap_servers=o.bootstrap_servers,
-            producer_config=o.producer_config, topic=o.topic, columns=columns.columns,
-            provenance_headers=o.provenance_headers, fault_hook=self.fault_hook,
-            pre_leases={int(x["partition"]): x for x in begun.get("pre_leases", [])},
-            leases_received_at=received_at,
-            commit_margin_ms=int(begun.get("commit_margin_ms") or 0),
-            max_lease_init_age_ms=begun.get("max_lease_init_age_ms"),
-            producer_init_timeout_ms=int(begun.get("producer_init_timeout_ms") or KAFKA_CALL_TIMEOUT_S * 1000),
-            producer_request_timeout_ms=begun.get("producer_request_timeout_ms"),
-        )
+        batch = BatchAttempt.of_begin(batch_id, generation, begun)
+        spec = TaskSpec(self._settings(columns.columns), batch)
         job_started = time.monotonic()
         try:
-            results = job.run(spec)
-            partitions = job.partitions if job.partitions is not None else len(results)
+            results = run_write_job(coalesced(df.select(*columns.columns), self._max_write_tasks(df)), spec)
         except BaseException as exc:
             # the job failed (a task exhausted its retries, or the query is stopping): end this
             # attempt's transactions now rather than wait for the next begin or the recovery loop
-            try:
-                client.abort(batch_id, attempt, generation, f"spark write job failed: {type(exc).__name__}")
-            except CoordinatorError as abort_error:
-                log.warning("batch %d: could not abort attempt %d after the job failed: %s", batch_id, attempt,
-                            abort_error)
+            abort_attempt(client, batch_id, generation, batch.attempt, f"spark write job failed: {type(exc).__name__}")
             raise
-        if job.stage_retried:
-            # two first tries of a partition may have written on its pre-lease: never commit
-            # this attempt; abort it (its ids are quarantined) and begin the batch again
-            client.abort(batch_id, attempt, generation, "stage_retried")
-            if _redo + 1 >= MAX_STAGE_RETRY_REDOS:
-                raise CoordinatorError(None, "stage_retried", f"batch {batch_id}: a stage of the write job was "
-                                       f"retried in {MAX_STAGE_RETRY_REDOS} attempts in a row; the query stops "
-                                       "and replays the batch when restarted", call="write job")
-            log.warning("batch %d attempt %d: a stage of the write job was retried; attempt aborted, batch "
-                        "begun again", batch_id, attempt)
-            return self(df, batch_id, _redo + 1)
-        job_ms = _ms_since(job_started)
-        accepted = accepted_results(results, partitions)
-        winners = {p: r.lease_id for p, r in accepted.items()}
-        self._hook("before_commit", batch_id=batch_id, attempt=attempt, generation=generation, winners=winners)
-        commit_started = time.monotonic()
-        # the winners' pre-commit records travel with the commit (stored with the decision); a refusal raises
-        answer = client.commit(batch_id, attempt, generation, winners, job_ms,
-                               records={p: r.precommit_record() for p, r in accepted.items() if r.lease_id is not None})
-        if answer.get("state") != "COMMITTED" or answer.get("attempt") != attempt:
-            raise _unexpected("commit", batch_id, f"state {answer.get('state')!r} for attempt {answer.get('attempt')}",
-                              f"state 'COMMITTED' for attempt {attempt}")
-        committed = {c["partition"]: c["lease_id"] for c in answer.get("committed", [])}
-        named = {p: lease for p, lease in winners.items() if lease is not None}
-        if committed != named:
-            raise _unexpected("commit", batch_id, f"winners {committed}", f"the winners the driver named, {named}")
-        commit_ms = _ms_since(commit_started)
-        for warning in answer.get("warnings", []):
-            log.warning("batch %d: %s", batch_id, warning)
-        self._hook("after_commit", batch_id=batch_id, attempt=attempt, generation=generation, winners=winners)
-        written = [r for r in accepted.values() if r.lease_id is not None]
-        self._report(BatchReport(
-            batch_id, "committed", attempt, partitions, sum(r.records for r in written),
-            sum(r.bytes for r in written), job_ms, commit_ms, _ms_since(started), winners,
-        ))
+        report = commit_batch(client, batch_id, generation, batch.attempt, results, _ms_since(job_started),
+                              self._hook)
+        self._report(replace(report, total_ms=_ms_since(started)))
 
     # --- driver helpers -----------------------------------------------------------------------
+
+    def _max_write_tasks(self, df: Any) -> int:
+        """How many tasks (transactions) may write a batch: the option, else every task slot of
+        the Spark context (classic; under Connect there is none to ask: 0, keep the partitions)."""
+        if self.options.max_write_tasks is not None:
+            return self.options.max_write_tasks
+        if is_connect(df):
+            return 0
+        return int(df.sparkSession.sparkContext.defaultParallelism)
+
+    def _settings(self, columns: tuple[str, ...]) -> WriteSettings:
+        o = self.options
+        return WriteSettings(Coordinator(o.coordinator_url, o.coordinator_token, o.sink, o.request_timeout_ms,
+                                         o.retry_budget_ms),
+                             o.bootstrap_servers, o.producer_config, o.topic, columns, o.provenance_headers,
+                             self.fault_hook)
 
     def _driver_client(self) -> CoordinatorClient:
         if self._client is None:
@@ -216,52 +157,6 @@ class ExactlyOnceKafkaWriter:
         if self._client is not None:
             self._client.close()
             self._client = None
-
-
-def accepted_results(results: list[TaskResult], partitions: int) -> dict[int, TaskResult]:
-    """Partition -> the task result Spark accepted, for every partition 0..N-1."""
-    accepted: dict[int, TaskResult] = {}
-    for r in results:
-        if r.partition in accepted:
-            raise RuntimeError(f"two accepted results for partition {r.partition}: {accepted[r.partition].lease_id} "
-                               f"and {r.lease_id}")
-        accepted[r.partition] = r
-    missing = [p for p in range(partitions) if p not in accepted]
-    if missing:
-        raise RuntimeError(f"no task result for partitions {missing} of {partitions}")
-    return accepted
-
-
-def winners_of(results: list[TaskResult], partitions: int) -> dict[int, int | None]:
-    """Partition -> winning lease id (None when empty), for every partition 0..N-1."""
-    return {p: r.lease_id for p, r in accepted_results(results, partitions).items()}
-
-
-def read_offsets_digest(spark: Any, checkpoint_location: str, batch_id: int) -> str | None:
-    """A digest of the offsets Spark planned for the batch: its `offsets/<batch_id>` entry without
-    the first two lines (the log version and the batch's metadata, whose timestamp is not part of
-    what the batch reads), read with Spark's text reader (classic and Connect, any file system).
-    None when the entry cannot be read (the coordinator then checks nothing)."""
-    path = f"{checkpoint_location.rstrip('/')}/offsets/{batch_id}"
-    try:
-        rows = spark.read.text(path, wholetext=True).collect()
-    except Exception as exc:  # noqa: BLE001 - AnalysisException (PATH_NOT_FOUND): the check is optional
-        log.debug("batch %d: offsets entry not readable (%s); begin names no offsets", batch_id, exc)
-        return None
-    if len(rows) != 1:
-        return None
-    return offsets_digest(str(rows[0][0]).splitlines())
-
-
-def offsets_digest(entry_lines: list[str]) -> str:
-    return "sha256:" + hashlib.sha256("\n".join(entry_lines[2:]).encode()).hexdigest()
-
-
-def _unexpected(call: str, batch_id: int, got: str, expected: str) -> CoordinatorError:
-    """An answer this driver cannot act on safely: stop the query rather than guess."""
-    return CoordinatorError(None, "unexpected_answer", f"{call} of batch {batch_id} answered {got}; expected "
-                            f"{expected}. Check that coordinator.url points at a coordinator of a compatible version; "
-                            "the query stops and replays the batch when restarted", call=call)
 
 
 def _ms_since(t: float) -> int:

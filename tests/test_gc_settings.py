@@ -46,3 +46,30 @@ def test_python_s_default_would_have_started_collections_in_the_middle_of_such_a
     records = [{"partition": p, "lease_id": p} for p in range(20_000)]
     assert len(restored_gc) >= 10
     del records
+
+
+def test_a_python_worker_freezes_what_it_keeps_so_pyspark_s_collect_after_each_task_stays_small(
+    restored_gc: list[int],
+) -> None:
+    """PySpark's daemon runs gc.collect() after every task of a reused Python worker, walking every
+    object not frozen. A task of the writer freezes the oldest generation when it holds more than
+    UNFROZEN_LIMIT objects (the modules a worker imports during its first tasks); a few long-lived
+    objects more do not freeze again, a worker's later imports do."""
+    from sparkclient import executor
+
+    gc.unfreeze()
+    gc.collect()  # what the daemon did after the previous task: the survivors are old now
+    assert len(gc.get_objects(generation=2)) > executor.UNFROZEN_LIMIT  # pytest, pyspark, ... imported
+    executor.settle_worker_gc()
+    frozen = gc.get_freeze_count()
+    # (other threads of the pytest process may free or promote a few objects meanwhile)
+    assert frozen > executor.UNFROZEN_LIMIT and len(gc.get_objects(generation=2)) < 100
+    kept_a_little = [[i] for i in range(executor.UNFROZEN_LIMIT // 2)]
+    gc.collect()
+    executor.settle_worker_gc()
+    assert gc.get_freeze_count() < frozen + executor.UNFROZEN_LIMIT // 4  # not worth a freeze
+    imported_later = [[i] for i in range(executor.UNFROZEN_LIMIT * 2)]  # stands for pandas, imported by task 2
+    gc.collect()
+    executor.settle_worker_gc()
+    assert gc.get_freeze_count() > frozen + executor.UNFROZEN_LIMIT and len(gc.get_objects(generation=2)) < 100
+    assert kept_a_little and imported_later

@@ -83,8 +83,8 @@ def test_the_writer_runs_under_spark_connect_with_a_task_retried_after_its_preco
 ) -> None:
     """Batch 0: partition 1's first task attempt fails after pre-committing; Spark retries it, the
     driver commits the attempt whose result `collect()` returned, the coordinator aborts the other.
-    Batch 1 is empty: no checkpoint. Every column arrives as Spark gave it; read_committed sees each
-    record once."""
+    Batch 1 is empty: committed with no lease. Every column arrives as Spark gave it; read_committed
+    sees each record once."""
     topic = real_kafka.create_topic(3)
     token = register(service, "connect", real_kafka.bootstrap, topic)
     batches = [list(range(0, 12)), [], list(range(12, 30))]
@@ -106,7 +106,8 @@ def test_the_writer_runs_under_spark_connect_with_a_task_retried_after_its_preco
         assert m.value() == (None if n == 3 else str(n).encode()) and m.partition() == n % 3, m
         assert m.headers() == [("trace", f"t{n}".encode()), ("empty", None)], m.headers()
     with CoordinatorClient(service.url, ADMIN, "connect") as c:
-        assert sorted(cp["batch_id"] for cp in c.checkpoints()) == [0, 2]  # batch 1 (empty) asked nothing
+        assert sorted(cp["batch_id"] for cp in c.checkpoints()) == [0, 1, 2]
+        assert c.checkpoint(1)["leases"] == []  # batch 1 (empty): no lease, no transaction
         leases = c.checkpoint(0)["leases"]
     retried = sorted(x["state"] for x in leases if x["partition"] == 1)
     assert retried == ["ABORTED", "COMMITTED"], leases  # two pre-committed attempts of one task, one winner
@@ -139,3 +140,41 @@ def test_a_checkpoint_location_of_no_running_query_is_refused_under_connect(
     with CoordinatorClient(service.url, ADMIN, "connect-lineage") as c:
         assert c.describe_sink()["generation"] == 0 and c.checkpoints() == []
     assert read_committed(real_kafka.bootstrap, topic) == []
+
+
+def test_the_native_sink_under_spark_connect(connect: Any, service: ServiceProcess, real_kafka: RealKafka,
+                                             tmp_path: Path) -> None:
+    """`.format("kafka_eos")` registered from a Connect client (the class travels to the server):
+    every Kafka-sink column (no topic option), a tombstone, a retried task; each record once."""
+    from pyspark.sql import functions as F
+
+    from sparkclient.sink import register_sink
+
+    topic = real_kafka.create_topic(3)
+    token = register(service, "connect-native", real_kafka.bootstrap, topic)
+    batches = [list(range(0, 12)), list(range(12, 30))]
+    write_input_files(tmp_path / "in", batches)
+    name = register_sink(connect, fault_hook=FailTask(frozenset({("after_precommit", 1, 2)})))
+    n = F.col("n")
+    rows = connect.readStream.schema("n INT").option("maxFilesPerTrigger", 1).json(str(tmp_path / "in"))
+    out = rows.repartition(3).select(
+        n.cast("string").alias("key"),
+        F.when(n == 3, F.lit(None)).otherwise(n.cast("string")).alias("value"),
+        F.lit(topic).alias("topic"), (n % 3).cast("int").alias("partition"),
+        F.array(F.struct(F.lit("trace").alias("key"), F.concat(F.lit("t"), n.cast("string")).cast("binary").alias("value"))
+                ).alias("headers"))
+    query = (out.writeStream.format(name).option("kafka.bootstrap.servers", real_kafka.bootstrap)
+             .option("coordinator.url", service.url).option("coordinator.token", token)
+             .option("coordinator.sink", "connect-native").option("checkpointLocation", str(tmp_path / "chk"))
+             .trigger(availableNow=True).start())
+    query.awaitTermination(240)
+    assert query.exception() is None, query.exception()
+    got = read_committed(real_kafka.bootstrap, topic)
+    assert sorted(int(m.key()) for m in got) == [v for b in batches for v in b]
+    for m in got:
+        k = int(m.key())
+        assert m.value() == (None if k == 3 else str(k).encode()) and m.partition() == k % 3, m
+        assert m.headers() == [("trace", f"t{k}".encode())], m.headers()
+    with CoordinatorClient(service.url, ADMIN, "connect-native") as c:
+        leases = c.checkpoint(1)["leases"]
+    assert sorted(x["state"] for x in leases if x["partition"] == 2) == ["ABORTED", "COMMITTED"], leases

@@ -1,7 +1,8 @@
 """The writer behind Spark's own Kafka source (`kafka.isolation.level=read_committed`) on the real
 broker, with the triggers users run: availableNow (a backfill that ends when caught up) and
 processingTime. A batch whose offsets hold only an aborted transaction and markers has no row: it
-asks nothing of the coordinator (counted on the driver's client) and opens no transaction.
+is begun and committed with no lease and no transaction, and no Spark job checks its emptiness
+first (counted on the driver's client; a check would also re-poll the aborted range).
 """
 
 from __future__ import annotations
@@ -100,11 +101,12 @@ def test_kafka_source_with_available_now_then_processing_time_and_an_empty_batch
                                                                    (2, "committed", 10)]
     assert calls_per_batch == [
         ["GET triggers", "POST generations", "POST 0/begin", "POST 0/attempts/1/commit"],
-        [],  # the empty batch: no call at all, so no checkpoint and no transaction
+        ["POST 1/begin", "POST 1/attempts/1/commit"],  # the empty batch: no lease, no transaction
         ["POST 2/begin", "POST 2/attempts/1/commit"],
     ]
     with CoordinatorClient(service.url, token, "triggers") as c:
-        assert sorted(cp["batch_id"] for cp in c.checkpoints()) == [0, 2]
+        assert sorted(cp["batch_id"] for cp in c.checkpoints()) == [0, 1, 2]
+        assert c.checkpoint(1)["leases"] == []
 
     # processingTime on the same checkpoint: only what is new, then idle batches cost nothing
     transaction(bootstrap, source, range(20, 30), commit=True)

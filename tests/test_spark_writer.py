@@ -105,7 +105,8 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
         ("before_precommit", 4, 2),  # fails with an open, flushed transaction
     }))
     reports: list[BatchReport] = []
-    writer = ExactlyOnceKafkaWriter(options(service, real_kafka, "orders", token, topic, tmp_path / "chk"),
+    writer = ExactlyOnceKafkaWriter(options(service, real_kafka, "orders", token, topic, tmp_path / "chk",
+                                            **{"max.write.tasks": "0"}),  # each batch keeps its partitions
                                     on_batch=reports.append, fault_hook=faults)
 
     def each_batch(df: Any, batch_id: int) -> None:
@@ -116,12 +117,14 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
 
     assert [(r.batch_id, r.action, r.records) for r in reports] == [
         (0, "committed", 40), (1, "empty", 0), (2, "committed", 5), (3, "committed", 60), (4, "committed", 25)]
-    assert [r.partitions for r in reports] == [3, 0, 8, 2, 4]
+    assert [r.partitions for r in reports if r.batch_id != 1] == [3, 8, 2, 4]
     out = outcome(service, "orders", real_kafka.bootstrap, topic)
     assert_exactly_once(out, [str(v) for b in batches for v in b], "orders", real_kafka.bootstrap, topic)
 
-    # each batch committed at its first attempt, one generation, winners = accepted task attempts
-    assert sorted(out.details) == [0, 2, 3, 4]  # the empty batch asked nothing of the coordinator
+    # each batch committed at its first attempt, one generation, winners = accepted task attempts;
+    # the empty batch was begun and committed without a lease or a transaction (no Spark job checks
+    # emptiness first)
+    assert sorted(out.details) == [0, 1, 2, 3, 4] and out.details[1]["leases"] == []
     assert all(d["checkpoint"]["committed_attempt"] == 1 for d in out.details.values())
     for batch in (0, 2, 3, 4):  # the driver committed exactly the task results Spark accepted
         committed = {x["partition"]: x["lease_id"] for x in out.details[batch]["leases"] if x["state"] == "COMMITTED"}
@@ -148,7 +151,7 @@ def test_several_batches_with_retries_empty_batches_and_changing_partitions(
     error = str(query.exception())
     assert "lineage_mismatch" in error and "fresh checkpoint location" in error and "lineage/reset" in error, error
     with CoordinatorClient(service.url, ADMIN, "orders") as c:
-        assert len(c.checkpoints()) == 4  # nothing was written for the refused query (batch 1 was empty)
+        assert len(c.checkpoints()) == 5  # nothing was written for the refused query
 
 
 def test_the_same_checkpoint_continues_and_skips_what_was_committed(
@@ -282,121 +285,46 @@ def test_the_client_retries_until_the_coordinator_answers_and_explains_refusals(
         gone.describe_sink()
 
 
-def test_a_task_leaves_no_producer_or_thread_behind_and_its_transaction_open_for_the_commit(
-    service: ServiceProcess, real_kafka: RealKafka
-) -> None:
-    """The executor side without Spark around it (Python workers are reused across tasks): after
-    each task the process has exactly the librdkafka threads it had before (its producer is gone),
-    and releasing the producer left its pre-committed transaction open, so the coordinator's
-    resume-commit succeeds (confluent-kafka's Producer.close() would have aborted it)."""
-    import gc
-    import os
-
-    from fixtures.kafka_producers import partition_log, settled_partition_log
-
-    from sparkclient.executor import TaskSpec, write_partition
-
-    topic = real_kafka.create_topic(1)
-    token = register(service, "tasks", real_kafka.bootstrap, topic)
-
-    def native_threads() -> int:
-        """librdkafka's threads in this process (named rdk:main, rdk:broker…); other threads of the
-        pytest process (Spark's py4j, servers of other tests) come and go on their own."""
-        names = []
-        for task in os.listdir("/proc/self/task"):
-            try:
-                names.append(open(f"/proc/self/task/{task}/comm").read())
-            except FileNotFoundError:  # the thread ended meanwhile
-                pass
-        return sum(name.startswith("rdk:") for name in names)
-
-    with CoordinatorClient(service.url, token, "tasks") as c:
-        gen = c.start_generation("query-tasks", "run-1")["generation"]
-        before = native_threads()
-        for batch in range(3):
-            begun = c.begin(batch, gen, partitions=1)
-            attempt, (pre_lease,) = begun["attempt"], begun["pre_leases"]
-            spec = TaskSpec(service.url, token, "tasks", 30_000, 60_000, batch, attempt, gen, real_kafka.bootstrap,
-                            {"linger.ms": 5}, topic, ("key", "value"), True, pre_leases={0: pre_lease},
-                            leases_received_at=time.time(), commit_margin_ms=begun["commit_margin_ms"],
-                            max_lease_init_age_ms=begun["max_lease_init_age_ms"])
-            (result,) = list(write_partition(spec, 0, [(f"k{batch}-{i}", f"v{batch}-{i}") for i in range(50)]))
-            assert result.lease_id == pre_lease["lease_id"]  # the first try wrote on its pre-lease: no call
-            gc.collect()
-            assert native_threads() == before, f"batch {batch}: threads left behind"
-            assert result.records == 50 and result.lease_id is not None and result.write_ms >= 0
-            assert partition_log(real_kafka.bootstrap, topic, 0).has_open_transaction  # released, not ended
-            assert [x[:2] for x in result.first_offsets] == [[topic, 0]] and result.producer_id is not None
-            answer = c.commit(batch, attempt, gen, {0: result.lease_id}, records={0: result.precommit_record()})
-            assert answer["state"] == "COMMITTED" and answer["committed"][0]["records"] == 50
-            log = settled_partition_log(real_kafka.bootstrap, topic, 0)
-            assert not log.has_open_transaction
-            assert log.markers(answer["committed"][0]["producer_id"])[-1] == "commit"
-        (empty,) = list(write_partition(spec, 4, []))  # an empty partition: no lease, no producer
-        assert empty.lease_id is None and native_threads() == before
-
-
-def test_a_task_reports_the_first_offsets_of_its_lowest_topic_partitions_only(
-    service: ServiceProcess, real_kafka: RealKafka
-) -> None:
-    """A transaction that wrote six partitions: its record names the first offset it wrote in the
-    lowest FIRST_OFFSETS_REPORTED of them (the commit stays small however wide the topic), each the
-    offset of the transaction's first record there, and the commit carrying it succeeds."""
-    from confluent_kafka import Producer
-    from fixtures.kafka_producers import settled_partition_log
-
-    from coordinator.protocol.model import FIRST_OFFSETS_KEPT
-    from sparkclient.executor import FIRST_OFFSETS_REPORTED, TaskSpec, write_partition
-
-    assert FIRST_OFFSETS_REPORTED == FIRST_OFFSETS_KEPT == 4
-    topic = real_kafka.create_topic(6)
-    plain = Producer({"bootstrap.servers": real_kafka.bootstrap})
-    for p in (1, 3):  # two records before the transaction's in partitions 1 and 3
-        for i in range(2):
-            plain.produce(topic, f"before-{i}".encode(), partition=p)
-    assert plain.flush(30) == 0
-    token = register(service, "wide", real_kafka.bootstrap, topic)
-    with CoordinatorClient(service.url, token, "wide") as c:
-        gen = c.start_generation("query-wide", "run-1")["generation"]
-        begun = c.begin(0, gen, partitions=1)
-        attempt, (pre_lease,) = begun["attempt"], begun["pre_leases"]
-        spec = TaskSpec(service.url, token, "wide", 30_000, 60_000, 0, attempt, gen, real_kafka.bootstrap,
-                        {"linger.ms": 5}, topic, ("key", "value", "partition"), True, pre_leases={0: pre_lease},
-                        leases_received_at=time.time(), commit_margin_ms=begun["commit_margin_ms"],
-                        max_lease_init_age_ms=begun["max_lease_init_age_ms"])
-        rows = [(f"k{p}-{i}", f"v{p}-{i}", p) for p in (5, 4, 3, 2, 1, 0) for i in range(3)]
-        (result,) = list(write_partition(spec, 0, rows))
-        assert result.records == 18
-        assert result.first_offsets == [[topic, 0, 0], [topic, 1, 2], [topic, 2, 0], [topic, 3, 2]]
-        answer = c.commit(0, attempt, gen, {0: result.lease_id}, records={0: result.precommit_record()})
-        assert answer["state"] == "COMMITTED"
-    for p in range(6):  # every partition's records committed, not only the reported ones'
-        log = settled_partition_log(real_kafka.bootstrap, topic, p)
-        assert not log.has_open_transaction and log.markers(result.producer_id) == ["commit"], p
-
-
 def test_every_kafka_sink_column_is_written_as_spark_gives_it(
-    spark: Any, service: ServiceProcess, real_kafka: RealKafka, tmp_path: Path
+    spark: Any, service: ServiceProcess, real_kafka: RealKafka, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """All five columns of Spark's Kafka-sink schema, with the types PySpark hands to Python
-    (binary columns arrive as bytearray, also inside `headers`), a null `value` (a tombstone), a
-    null header value, the `partition` column and the `topic` column (no topic option), as a
-    read_committed consumer reads them."""
+    """All five columns of Spark's Kafka-sink schema through the Arrow path, a null `value` (a
+    tombstone), a null header value, the `partition` column and the `topic` column (no topic
+    option), as a read_committed consumer reads them; the batch's six partitions are written by as
+    many tasks as the context has slots. Called outside a streaming query, the batch has no offsets
+    entry: it fails loudly before `begin`, unless offsets.binding=off (warned once)."""
+    import logging
+
+    from sparkclient.checkpoint_files import OffsetsUnavailable
+
     topic = real_kafka.create_topic(3)
     token = register(service, "columns", real_kafka.bootstrap, topic)
     (tmp_path / "chk").mkdir()
     (tmp_path / "chk" / "metadata").write_text('{"id":"query-columns"}\n')
-    writer = ExactlyOnceKafkaWriter({**options(service, real_kafka, "columns", token, topic, tmp_path / "chk"),
-                                     "topic": "", "provenance.headers": "false"})
+    opts = {**options(service, real_kafka, "columns", token, topic, tmp_path / "chk"), "topic": "",
+            "provenance.headers": "false"}
+    rows = [(b"k0", b"v0", topic, 0, [])]
+    df = spark.createDataFrame(rows, "key binary, value binary, topic string, partition int, "
+                                     "headers array<struct<key: string, value: binary>>")
+    with pytest.raises(OffsetsUnavailable, match=r"offsets/0: .*set option offsets.binding=off"):
+        ExactlyOnceKafkaWriter(opts)(df, 0)
+    with CoordinatorClient(service.url, ADMIN, "columns") as c:
+        assert c.checkpoints() == []  # refused before begin
+    writer = ExactlyOnceKafkaWriter({**opts, "offsets.binding": "off"})
     rows = [(f"k{i}".encode(), None if i == 3 else f"v{i}".encode(), topic, i % 3,
              [("trace", f"t{i}".encode()), ("empty", None)]) for i in range(6)]
     df = spark.createDataFrame(
         rows, "key binary, value binary, topic string, partition int, "
-              "headers array<struct<key: string, value: binary>>").repartition(2)
+              "headers array<struct<key: string, value: binary>>").repartition(6)
     reports: list[BatchReport] = []
     writer.on_batch = reports.append
-    writer(df, 0)
-    assert [(r.action, r.records) for r in reports] == [("committed", 6)]
+    with caplog.at_level(logging.WARNING, logger="sparkclient.checkpoint_files"):
+        writer(df, 0)
+    # 6 partitions, 2 task slots (local[2,4]): written by 2 tasks, 2 transactions (max.write.tasks)
+    assert [(r.action, r.records, r.partitions) for r in reports] == [("committed", 6, 2)]
+    assert [r.message for r in caplog.records].count(
+        "option offsets.binding=off: batches are not bound to the offsets Spark planned for them, so a replay over "
+        "other offsets (a checkpoint restored from a backup) is not refused") == 1
     got = sorted(read_topic(real_kafka.bootstrap, topic, committed=True), key=lambda r: r.key)
     assert [(r.key, r.value, r.partition, r.headers) for r in got] == [
         (f"k{i}".encode(), None if i == 3 else f"v{i}".encode(), i % 3, {"trace": f"t{i}"}) for i in range(6)]
@@ -417,7 +345,7 @@ def test_the_driver_refuses_coordinator_answers_it_does_not_expect(spark: Any, t
     with scripted_http() as (url, script):
         opts = {"kafka.bootstrap.servers": "127.0.0.1:1", "topic": "t", "coordinator.url": url,
                 "coordinator.token": "w", "coordinator.sink": "odd", "checkpointLocation": str(tmp_path),
-                "skip.empty.batches": "false"}  # the empty batch must reach begin and commit here
+                "offsets.binding": "off"}
         script.answers = [sink, generation, (200, json.dumps({"action": "wait", "batch_id": 0, "state": "OPEN",
                                                              "attempt": None, "resumed": False}), {})]
         with pytest.raises(CoordinatorError, match="begin of batch 0 answered action 'wait'"):
@@ -436,42 +364,3 @@ def test_the_driver_refuses_coordinator_answers_it_does_not_expect(spark: Any, t
         with pytest.raises(CoordinatorError, match="commit of batch 0 answered winners .*99.* the driver named"):
             ExactlyOnceKafkaWriter(opts, on_batch=reports.append)(empty, 0)
         assert script.requests[-1] == "POST /v1/sinks/odd/checkpoints/0/attempts/1/commit" and reports == []
-
-
-def test_a_sink_with_a_transaction_timeout_below_the_producer_request_timeout_writes(
-    service: ServiceProcess, real_kafka: RealKafka
-) -> None:
-    """librdkafka refuses a transactional producer whose socket.timeout.ms is above
-    transaction.timeout.ms + 100 (the coordinator hands tasks a 60 s request timeout): a sink with a
-    40 s transaction timeout (the shortest the default commit reach allows) still writes and commits, and the producer's own check is what the
-    broken variant (the request timeout passed as is) runs into."""
-    from confluent_kafka import KafkaException, Producer
-
-    from sparkclient.executor import (
-        TaskSpec,
-        producer_socket_timeout_ms,
-        write_partition,
-    )
-
-    topic = real_kafka.create_topic(1)
-    token = register(service, "short-timeout", real_kafka.bootstrap, topic, transaction_timeout_ms=40_000)
-    with pytest.raises(KafkaException, match="socket.timeout.ms"):  # what a task ran into before
-        Producer({"bootstrap.servers": real_kafka.bootstrap, "transactional.id": "short-timeout-probe",
-                  "transaction.timeout.ms": 40_000, "socket.timeout.ms": 60_000})
-    with CoordinatorClient(service.url, token, "short-timeout") as c:
-        gen = c.start_generation("query-short", "run-1")["generation"]
-        begun = c.begin(0, gen, partitions=1)
-        attempt, (pre_lease,) = begun["attempt"], begun["pre_leases"]
-        assert pre_lease["transaction_timeout_ms"] == 40_000
-        spec = TaskSpec(service.url, token, "short-timeout", 30_000, 60_000, 0, attempt, gen, real_kafka.bootstrap,
-                        {}, topic, ("key", "value"), False, pre_leases={0: pre_lease},
-                        leases_received_at=time.time(), commit_margin_ms=begun["commit_margin_ms"],
-                        max_lease_init_age_ms=begun["max_lease_init_age_ms"],
-                        producer_request_timeout_ms=60_000)
-        (result,) = list(write_partition(spec, 0, [(f"k{i}", f"v{i}") for i in range(5)]))
-        answer = c.commit(0, attempt, gen, {0: result.lease_id}, records={0: result.precommit_record()})
-    assert answer["state"] == "COMMITTED" and answer["committed"][0]["records"] == 5
-    assert sorted(r.value for r in read_topic(real_kafka.bootstrap, topic, committed=True)) == [
-        f"v{i}".encode() for i in range(5)]
-    assert producer_socket_timeout_ms(60_000, 40_000) == 40_100
-    assert producer_socket_timeout_ms(5_000, 40_000) == 5_000

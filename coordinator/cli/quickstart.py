@@ -6,7 +6,8 @@
      Postgres, the real Kafka control plane) on this machine;
   3. writes the input topic (records "0".."N-1") and runs the example pipeline
      (python -m sparkclient.example_job: Kafka topic in -> Spark -> the exactly-once writer -> Kafka
-     topic out) until its input is done;
+     topic out; its Spark session sets spark.python.unix.domain.socket.enabled=true, the setting
+     small batches need, docs/spark.md#small-batches) until its input is done;
   4. reads the output topic with a read_committed consumer and checks every record is there once;
   5. prints a summary (records in/out, duplicates, missing, batches, the dashboard's URL and login),
      then keeps the coordinator and Kafka up until Ctrl-C (or stops at once with --exit).

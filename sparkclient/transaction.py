@@ -16,7 +16,7 @@ producing with them; log lines reach the producer's `logger` through the queue `
 acquired and fails if another was acquired, a partition produced with another, or librdkafka
 logged a transaction error (TXNERR). About 60 log lines per transaction, whatever its size.
 Pinned with confluent-kafka 2.16.1 / librdkafka 2.16.0 and tested against a real broker
-(tests/test_spark_executor.py); a version that logs otherwise fails the task loudly.
+(tests/spark/test_spark_executor.py); a version that logs otherwise fails the task loudly.
 """
 
 from __future__ import annotations

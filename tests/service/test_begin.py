@@ -185,7 +185,7 @@ def _unchecked() -> float:
 def test_a_replay_whose_offsets_cannot_be_checked_is_said_loudly(coordinator: Coordinator,
                                                                  kafka: RecordingControlPlane,
                                                                  caplog: pytest.LogCaptureFixture):
-    """Issue 50 §5: a begin without a digest (the writer's coordinator.requireOffsets=false) is the
+    """Issue 50 §5: a begin without a digest (the writer's offsets.binding=off) is the
     user's choice; when the batch is begun again and either begin had no digest, the replay goes
     unchecked, and the coordinator says so (event, counter, warning) instead of accepting quietly."""
     c = coordinator

@@ -27,7 +27,7 @@ java -version 2>&1 | head -1
 START=$(date +%s)
 set +e
 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" -m pytest -p no:cacheprovider -q -ra \
-    tests/test_spark_writer.py tests/test_spark_triggers.py \
+    tests/spark/test_spark_writer.py tests/spark/test_spark_triggers.py \
     -k "several_batches or same_checkpoint_continues or wrong_or_missing_columns or every_kafka_sink_column or trigger" \
     "$@"
 CODE=$?

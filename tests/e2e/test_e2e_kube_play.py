@@ -48,7 +48,7 @@ def podman(*args: str, check: bool = True, timeout: float = 300):  # type: ignor
 @pytest.fixture
 def network(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if "e2e" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("runs only when selected: python -m pytest -m e2e tests/test_e2e_kube_play.py")
+        pytest.skip("runs only when selected: python -m pytest -m e2e tests/e2e/test_e2e_kube_play.py")
     if shutil.which("podman") is None:
         pytest.skip("podman kube play needs Podman (.ci/e2e installs it)")
     from localimages.images import build_all

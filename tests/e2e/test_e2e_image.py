@@ -1,7 +1,7 @@
 """`coordinator serve` in the built image, for real (`-m e2e`, Podman or Docker like
-tests/test_e2e_compose.py), on docker-compose.yml's one-broker stack:
+tests/e2e/test_e2e_compose.py), on docker-compose.yml's one-broker stack:
 
-- the rollout test (tests/test_deploy_rollout.py) on the image: a replica started before the
+- the rollout test (tests/deploy/test_deploy_rollout.py) on the image: a replica started before the
   migration is alive (the image's own HEALTHCHECK passes) but not ready (/readyz 503
   schema_not_current, so compose's health check fails), and ready once the `migrate` service --
   the same image with `migrate` -- has run; the database is then at the migrations' head;
@@ -43,7 +43,7 @@ pytestmark = [
 @pytest.fixture
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     if "e2e" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("runs only when selected: python -m pytest -m e2e tests/test_e2e_image.py")
+        pytest.skip("runs only when selected: python -m pytest -m e2e tests/e2e/test_e2e_image.py")
     engine = choose_engine()  # an installed engine that cannot run the stack fails the test
     if isinstance(engine, str):
         pytest.skip(f"compose e2e suite: {engine}")

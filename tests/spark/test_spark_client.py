@@ -129,7 +129,7 @@ def test_a_task_refuses_init_on_a_lease_older_than_the_bound_and_a_transaction_i
 
 def test_the_producer_id_comes_from_librdkafka_s_eos_log_and_anything_but_one_pair_fails_the_task() -> None:
     """The lines as librdkafka 2.16 logs them (`debug=eos`); the real broker's COMMIT markers
-    carry the pair read this way (tests/test_spark_executor.py). Each broken variant is refused."""
+    carry the pair read this way (tests/spark/test_spark_executor.py). Each broken variant is refused."""
     from sparkclient.transaction import EosLog, ProducerIdUnknown
 
     def fed(*lines: tuple[int, str, str]) -> EosLog:

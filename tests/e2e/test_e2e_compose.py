@@ -8,7 +8,7 @@ and a Kafka broker at random points; then the read_committed verifier must PASS:
 Runs on Podman (what .ci/e2e installs: the images built locally by `python -m localimages`, no
 registry) or on Docker (`docker compose build`, the official images); selected only with `-m e2e`:
 
-    python -m pytest -m e2e tests/test_e2e_compose.py -ra -s   # E2E_SEED=N replays a schedule
+    python -m pytest -m e2e tests/e2e/test_e2e_compose.py -ra -s   # E2E_SEED=N replays a schedule
 
 Skipped only where neither Podman nor a Docker engine is installed. Output (compose logs, the topic
 dump, the schedule, the step times) goes to $E2E_OUT_DIR (default .e2e-out/). The last lines
@@ -52,7 +52,7 @@ pytestmark = [
 @pytest.fixture
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     if "e2e" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("the compose e2e suite runs only when selected: python -m pytest -m e2e tests/test_e2e_compose.py")
+        pytest.skip("the compose e2e suite runs only when selected: python -m pytest -m e2e tests/e2e/test_e2e_compose.py")
     engine = choose_engine()  # an installed engine that cannot run the stack fails the test
     if isinstance(engine, str):
         pytest.skip(f"compose e2e suite: {engine}")

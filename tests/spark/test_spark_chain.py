@@ -32,7 +32,7 @@ from fixtures.real_kafka import RealKafka, read_committed
 from fixtures.servers import ServiceProcess
 from fixtures.spark_support import ADMIN, kafka_service, module_database_url  # noqa: F401 - fixture
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow]
 CHAIN_SEEDS = [int(s) for s in os.environ.get("CHAIN_SEEDS", "1").split(",")]  # more: CHAIN_SEEDS=1,2,3
 

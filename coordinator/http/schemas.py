@@ -104,7 +104,7 @@ class BeginCheckpointRequest(Request):
         "a digest of the offsets Spark planned for the batch (its offsets/<batch> entry); bound to the "
         "checkpoint at the first begin that names one, and a begin over other offsets is refused (409 "
         "batch_offsets_mismatch). The writer sends none only when its user chose to go without (its option "
-        "coordinator.requireOffsets=false); a replay that cannot be checked is recorded (offsets_unchecked)"))] = None
+        "offsets.binding=off); a replay that cannot be checked is recorded (offsets_unchecked)"))] = None
 
 
 class LeaseRequest(Request):

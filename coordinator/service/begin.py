@@ -50,7 +50,7 @@ def begin_checkpoint(ctx: ServiceContext, committer: Committer, aborter: Aborter
     if begun.unchecked:
         metrics.OFFSETS_UNCHECKED.labels(name).inc()
         log.warning("sink %s: batch %s was begun again without its offsets checked (a begin without a digest: "
-                    "the writer's coordinator.requireOffsets=false); a restored checkpoint would go unnoticed",
+                    "the writer's offsets.binding=off); a restored checkpoint would go unnoticed",
                     name, batch_id)
     if begun.refusal is not None:
         metrics.OFFSETS_MISMATCH.labels(name).inc()

@@ -58,7 +58,7 @@ OFFSETS_MISMATCH = Counter(
 OFFSETS_UNCHECKED = Counter(
     "coordinator_offsets_unchecked",
     "Begins of a batch begun before whose offsets could not be checked (no digest on one side: the "
-    "writer's coordinator.requireOffsets=false)",
+    "writer's offsets.binding=off)",
     ["sink"],
 )
 LOST_DATA_ACKNOWLEDGED = Counter(

@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from .client import CoordinatorClient, CoordinatorError
 from .executor import TaskResult

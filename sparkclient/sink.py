@@ -32,7 +32,7 @@ from typing import Any
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
 
 from .checkpoint_files import batch_offsets_digest, offsets_path, read_on_executor
-from .client import CoordinatorClient, CoordinatorError
+from .client import CoordinatorError
 from .commit import abort_attempt, commit_batch, unexpected
 from .executor import Coordinator, FaultHook, TaskResult, TaskSpec, TaskTry, WriteSettings, settle_worker_gc, write_task
 from .options import WriterOptions
@@ -142,7 +142,7 @@ class ExactlyOnceStreamWriter(DataSourceStreamArrowWriter):
         results = [m.result if m is not None and m.result is not None else
                    TaskResult(p, None, 0, batchId, first.generation, first.attempt)
                    for p, m in enumerate(messages)]
-        report = commit_batch(_driver_client(self.settings.coordinator), batchId, first.generation, first.attempt,
+        report = commit_batch(self.settings.coordinator.client(), batchId, first.generation, first.attempt,
                               results, None, self._hook)
         log.info("sink %s %s", self.options.sink, report.line())
 
@@ -153,7 +153,7 @@ class ExactlyOnceStreamWriter(DataSourceStreamArrowWriter):
                         "transactions end at the next run's generation or by the coordinator's recovery loop",
                         self.options.sink, batchId)
             return
-        abort_attempt(_driver_client(self.settings.coordinator), batchId, writes[0].generation, writes[0].attempt,
+        abort_attempt(self.settings.coordinator.client(), batchId, writes[0].generation, writes[0].attempt,
                       "spark write job failed")
 
     def _hook(self, step: str, **info: Any) -> None:
@@ -164,19 +164,6 @@ class ExactlyOnceStreamWriter(DataSourceStreamArrowWriter):
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield first
     yield from rest
-
-
-_DRIVER_CLIENTS: dict[Coordinator, CoordinatorClient] = {}
-
-
-def _driver_client(coordinator: Coordinator) -> CoordinatorClient:
-    """The commit process's client (Spark reuses the process for later commits: keep-alive)."""
-    client = _DRIVER_CLIENTS.get(coordinator)
-    if client is None:
-        client = _DRIVER_CLIENTS[coordinator] = CoordinatorClient(
-            coordinator.url, coordinator.token, coordinator.sink, timeout_s=coordinator.request_timeout_ms / 1000,
-            retry_budget_s=coordinator.retry_budget_ms / 1000)
-    return client
 
 
 def register_sink(spark: Any, *, fault_hook: FaultHook | None = None) -> str:

@@ -26,8 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fixtures.compose_stack import Stack, choose_engine, no_engine
-from fixtures.deploy_config import REPO_ROOT
+from fixtures.compose_stack import Stack, no_engine, output_dir, selected_engine
 from fixtures.servers import free_port
 
 from e2e.checker import check, expected_range, read_dump
@@ -51,15 +50,9 @@ pytestmark = [
 
 @pytest.fixture
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    if "e2e" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("the compose e2e suite runs only when selected: python -m pytest -m e2e tests/e2e/test_e2e_compose.py")
-    engine = choose_engine()  # an installed engine that cannot run the stack fails the test
-    if isinstance(engine, str):
-        pytest.skip(f"compose e2e suite: {engine}")
+    engine = selected_engine(request, "tests/e2e/test_e2e_compose.py")
     seed = int(os.environ.get("E2E_SEED", str(random.randrange(1_000_000))))
-    out_dir = Path(os.environ.get("E2E_OUT_DIR", REPO_ROOT / ".e2e-out")).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_dir.chmod(0o777)  # the verifier writes its dump as the image's uid 10001
+    out_dir = output_dir()
     (out_dir / "topic-dump.jsonl").unlink(missing_ok=True)
     env = {**engine.env, "TOTAL_RECORDS": str(TOTAL_RECORDS), "ROWS_PER_SECOND": str(ROWS_PER_SECOND),
            "E2E_DUMP_DIR": str(out_dir), "E2E_SEED": str(seed), "PUBLISHED_PORT": str(free_port())}

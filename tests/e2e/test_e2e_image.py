@@ -15,17 +15,15 @@ tests/e2e/test_e2e_compose.py), on docker-compose.yml's one-broker stack:
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from dockerfile_parse import DockerfileParser
-from fixtures.compose_stack import Stack, choose_engine, no_engine
+from fixtures.compose_stack import Stack, no_engine, output_dir, selected_engine
 from fixtures.deploy_config import REPO_ROOT
 from fixtures.servers import free_port
 
@@ -42,14 +40,8 @@ pytestmark = [
 
 @pytest.fixture
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    if "e2e" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("runs only when selected: python -m pytest -m e2e tests/e2e/test_e2e_image.py")
-    engine = choose_engine()  # an installed engine that cannot run the stack fails the test
-    if isinstance(engine, str):
-        pytest.skip(f"compose e2e suite: {engine}")
-    out_dir = Path(os.environ.get("E2E_OUT_DIR", REPO_ROOT / ".e2e-out")).resolve() / "image"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_dir.chmod(0o777)
+    engine = selected_engine(request, "tests/e2e/test_e2e_image.py")
+    out_dir = output_dir("image")
     port = free_port()
     env = {**engine.env, "TOTAL_RECORDS": str(TOTAL_RECORDS),
            "PUBLISHED_PORT": str(port), "E2E_PORT": str(port), "E2E_OUT": str(out_dir)}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 import coordinator.service.clock as clock_module
-from coordinator.kafka.control_plane import (
-    CallOutcome,
-    ControlPlaneError,
-    KafkaTarget,
-    PreparedTransaction,
-    RecordingControlPlane,
-    TransactionOutcome,
-    call_by_call,
-)
+from coordinator.kafka.control_plane import ControlPlaneError, RecordingControlPlane, TransactionOutcome
 from coordinator.protocol import errors as e
 from coordinator.protocol.model import FIRST_OFFSETS_KEPT, Lease, PartitionResult, PrecommitRecord
 from coordinator.protocol.states import CheckpointState, LeaseState
@@ -180,23 +171,11 @@ def test_an_empty_partitions_pre_lease_a_try_claimed_is_aborted_and_quarantined(
 # --- a zombie try on the simulation's Kafka model ---------------------------------------------
 
 
-class ModelPlane(ModelControlPlane):
-    """The simulation's Kafka model, making its passes call by call."""
-
-    def commit_all(self, target: KafkaTarget, txns: Sequence[PreparedTransaction], parallelism: int,
-                   budget_ms: int | None = None) -> list[CallOutcome]:
-        return call_by_call(lambda txn: self.commit(target, txn), txns)
-
-    def abort_all(self, target: KafkaTarget, transactional_ids: Sequence[str], parallelism: int,
-                  budget_ms: int | None = None) -> list[CallOutcome]:
-        return call_by_call(lambda tid: self.abort(target, tid), transactional_ids)
-
-
 @pytest.fixture
 def model(engine: Engine) -> Any:
     clock = ManualClock()
     kafka_model = KafkaModel(clock)
-    c = Coordinator(engine, ModelPlane(kafka_model), clock=clock, limits=Limits(kafka_parallelism=1))
+    c = Coordinator(engine, ModelControlPlane(kafka_model), clock=clock, limits=Limits(kafka_parallelism=1))
     yield c, kafka_model, clock
     c.close()
 

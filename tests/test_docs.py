@@ -57,6 +57,18 @@ def test_every_file_a_page_names_exists(path: Path) -> None:
     assert not missing, f"{path.name} names files that do not exist (moved or removed?): {missing}"
 
 
+SOURCES = sorted(p for d in ("coordinator", "sparkclient", "sim", "e2e", "bench", "localkafka", "tests")
+                 for p in (REPO_ROOT / d).rglob("*.py")
+                 if p.name not in ("test_docs.py", "test_architecture.py"))  # their examples are made up
+
+
+def test_every_file_the_code_names_exists() -> None:
+    """Comments and docstrings point to tests and modules by path; a move must take them along."""
+    missing = {str(p.relative_to(REPO_ROOT)): gone for p in SOURCES
+               if (gone := sorted(f for f in named_files(p.read_text()) if not (REPO_ROOT / f).exists()))}
+    assert not missing, f"source files naming files that do not exist (moved or removed?): {missing}"
+
+
 def test_the_named_file_check_sees_paths_in_prose_and_code() -> None:
     text = "see `tests/http/test_api.py`, coordinator/service/commit.py and (tests/test_gone.py); not x/tests/y.py"
     assert named_files(text) == {"tests/http/test_api.py", "coordinator/service/commit.py", "tests/test_gone.py"}

@@ -134,7 +134,7 @@ def serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         # uvloop sets TCP_NODELAY on every accepted connection; asyncio does not on the socket
         # uvicorn shares between --workers, and a response's second write then waits ~40 ms for
-        # the client's delayed ACK (tests/test_serve_keepalive.py)
+        # the client's delayed ACK (tests/http/test_serve_keepalive.py)
         loop="uvloop",
         http="httptools",
         # a line per request at info costs each call; requests are counted and timed in /metrics

@@ -1,7 +1,7 @@
 """What the coordinator makes of its observations of the broker (DESIGN.md §3 step 6, issue 3:
 stuck-consumer detection, the lingering-transaction sweep, broker checks).
 
-All of it is I/O free and unit tested (tests/test_broker.py):
+All of it is I/O free and unit tested (tests/kafka/test_broker.py):
 
 `stuck_partitions(previous, current, elapsed_s)`
     A partition is stuck when its last stable offset (LSO) stays below its high watermark (HW)

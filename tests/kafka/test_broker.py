@@ -5,7 +5,7 @@ and the two admin endpoints over a record-only control plane on a real Postgres.
 Why no broker here: these are the pure functions' edge cases a healthy broker does not produce on
 cue (an id that expires between ListTransactions and DescribeTransactions, per-partition error
 codes, leaderless partitions, epochs that do not match a lease). What the real broker answers is
-tested in tests/test_broker_wire.py and tests/test_kafka_wire.py."""
+tested in tests/kafka/test_broker_wire.py and tests/kafka/test_kafka_wire.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A sink's health as the dashboard shows it, decided from plain records (no I/O, unit tested in
-tests/test_dashboard_health.py).
+tests/http/test_dashboard_health.py).
 
 One verdict per sink, the worst of its findings:
 - lost      (critical) the sink is halted: a decided commit was refused by Kafka for good and an

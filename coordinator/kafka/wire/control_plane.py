@@ -88,9 +88,9 @@ Observations (the lingering-transaction sweep, stuck consumers, broker checks)
 Client library: kafka-python 3.0.12 (pinned). Requests go through its `KafkaConnectionManager`
 on a `NetworkSelector` IO thread, the same layer its `KafkaAdminClient` uses; they are modules of
 kafka-python's networking package rather than its documented top-level API, so an upgrade of
-kafka-python must re-run tests/test_kafka_wire.py.
+kafka-python must re-run tests/kafka/test_kafka_wire.py.
 
-What is verified where: tests/test_kafka_wire.py and tests/test_broker_wire.py, against a real
+What is verified where: tests/kafka/test_kafka_wire.py and tests/kafka/test_broker_wire.py, against a real
 Apache Kafka formatted with transaction.version 1 and 2 (localkafka/), with a fault proxy in front
 of it for lost answers, delays and transient error codes.
 

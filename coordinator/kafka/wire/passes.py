@@ -3,8 +3,8 @@ transactions as one coroutine on the connection's IO thread, in rounds.
 
 Calling `commit` once per transaction from the service's threads cost each EndTxn a thread
 hand-off to kafka-python's IO thread and back (an Event per call, a wake-up of the IO loop, 16
-threads contending for the GIL): ~0.8-1.0 ms of the coordinator's CPU per EndTxn on a real broker,
-where one coroutine for the pass takes ~0.45-0.55 ms (bench/end_txn_bench.py). A pass is:
+threads contending for the GIL): about twice the coordinator's CPU per EndTxn of one coroutine for
+the whole pass (bench/end_txn_bench.py measures both on a real broker). A pass is:
 
 - a round: every transaction still to do tried once, at most `parallelism` at once (each try holds
   one of the connection's request slots, as a single call does), on the IO thread; its result per

@@ -1,7 +1,7 @@
 """The observation requests of the wire control plane and the parsing of their answers
 (KIP-664 transactions, offsets, configs), and what is lost when the broker lacks one of these APIs
 or refuses it for want of an ACL: pure functions on kafka-python's protocol classes, unit tested
-without a broker (tests/test_broker.py)."""
+without a broker (tests/kafka/test_broker.py)."""
 
 from __future__ import annotations
 

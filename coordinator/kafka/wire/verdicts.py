@@ -1,6 +1,6 @@
 """The broker-check verdicts of `check_broker` and `coordinator doctor`: pure functions from
 what the broker answered to a `BrokerCheck` with a plain-word message and its fix (unit tested,
-tests/test_broker.py)."""
+tests/kafka/test_broker.py)."""
 
 from __future__ import annotations
 

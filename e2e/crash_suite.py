@@ -111,13 +111,21 @@ class Suite:
         env = {**self.base_env, "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap, "COORDINATOR_URL": self.balancer.url,
                "COORDINATOR_ADMIN_TOKEN": self.token, "SINK_NAME": SINK, "TRANSACTIONAL_ID_PREFIX": PREFIX,
                "INPUT_TOPIC": INPUT_TOPIC, "OUTPUT_TOPIC": OUTPUT_TOPIC, "TOPIC_PARTITIONS": "3",
-               "TRIGGER": "availableNow", "MAX_RECORDS_PER_BATCH": str(max(n // 30, 1)), "INPUT_RECORDS": str(n),
+               **self.pace(n), "INPUT_RECORDS": str(n),
                "CHECKPOINT_LOCATION": str(self.dir / "checkpoint"),
                "SPARK_MASTER": "local[2,4]", "SPARK_JARS": self.jars, "PYSPARK_PYTHON": sys.executable}
         with open(self.job_log, "ab") as log:
             self.log_start = log.tell()
             self.job = subprocess.Popen([sys.executable, "-m", "sparkclient.example_job"], env=env, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def pace(self, n: int) -> dict[str, str]:
+        """With kills, one small batch a second (60 batches, a minute of work): the kills that need a
+        running job (driver, Python worker) must find one, however fast the writer is. Without kills,
+        as fast as it goes."""
+        if not self.args.kills:
+            return {"TRIGGER": "availableNow", "MAX_RECORDS_PER_BATCH": str(max(n // 30, 1))}
+        return {"TRIGGER": "1 second", "MAX_RECORDS_PER_BATCH": str(max(n // 60, 1))}
 
     def batches_seen(self) -> int:
         return self.job_log.read_bytes().count(b"[example_job] batch=") if self.job_log.exists() else 0

@@ -1,4 +1,4 @@
-"""The deterministic fault-injection simulation (sim/): 300 seeded schedules against the real
+"""The deterministic fault-injection simulation (sim/): 120 seeded schedules against the real
 coordinator and Postgres with the Kafka model, each fault kind of issues 15 and 50 shown to lose
 nothing, and deliberately broken coordinators, clients and deployments the checker must catch.
 The model itself is tests/sim/test_kafka_model.py's."""
@@ -21,7 +21,7 @@ from sim.faults import FaultConfig
 from sim.kafka_model import ModelControlPlane
 from sim.runner import ScheduleResult, run_one
 
-SCHEDULES = 300
+SCHEDULES = 120  # the default run's share; `python -m sim soak --schedules 2000` runs thousands
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +36,7 @@ def quiet_coordinator_logs() -> Iterator[None]:
 
 
 @pytest.mark.timeout(1500)  # ~1-2 min on an idle 2-core machine, 10+ min when it is shared
-def test_300_seeded_schedules_keep_every_invariant(engine: Engine) -> None:
+def test_seeded_schedules_keep_every_invariant(engine: Engine) -> None:
     results = [run_one(engine, seed, FaultConfig()) for seed in range(SCHEDULES)]
     faults: Counter[str] = Counter()
     for r in results:
@@ -219,7 +219,7 @@ def test_checker_catches_replicas_deciding_on_their_own_clocks(engine: Engine) -
 
 
 def test_checker_catches_a_replay_over_other_offsets_being_skipped(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rules, "check_offsets", lambda *a: None)
+    monkeypatch.setattr(rules, "check_offsets", lambda *a, **k: True)
     found = first_violation(engine, only("checkpoint_restore", 0.5), range(8000, 8040))
     assert found is not None, "no violation within 40 seeds"
     assert any(v.startswith("I7") for v in found.violations), found.report()
@@ -270,8 +270,8 @@ def test_checker_catches_a_stage_retry_on_the_landed_clients_guess_of_first_trie
 
 def test_sinks_on_an_unreachable_cluster_never_delay_another_sinks_orphaned_commits(engine: Engine) -> None:
     config = FaultConfig().heavy(unreachable_neighbours=1.0, orphaned_commit=0.3, driver_down_long=0.3)
-    results = [run_one(engine, seed, config, keep_on_failure=False) for seed in range(0, 40)]
-    assert sum(r.faults.get("unreachable_neighbours", 0) for r in results) == 40
+    results = [run_one(engine, seed, config, keep_on_failure=False) for seed in range(0, 20)]
+    assert sum(r.faults.get("unreachable_neighbours", 0) for r in results) == 20
     bad = [r for r in results if not r.ok]
     assert not bad, bad[0].report()
 

@@ -1,4 +1,5 @@
-"""The crash suite (`python -m e2e.crash_suite`, issue 11) on a real 3-node Kafka cluster: one
+"""The crash suite (`python -m e2e.crash_suite`, issue 11) on a real 3-node Kafka cluster, in the e2e
+tier (CI's own step, `.ci/run`; `python -m pytest -m e2e tests/e2e/test_crash_suite.py`): one
 seed must end with the exactly-once line and exit 0; a run whose output was broken on purpose
 (`--break duplicate`: one extra copy of a record written before verification) must fail the
 verdict. The verdict line itself is checked without Kafka on hand-made records."""
@@ -49,8 +50,8 @@ def test_the_verdict_line_counts_and_passes_only_when_everything_holds() -> None
     assert verdict_line(unstable, 3, 1)[1] is False  # the line's counts hold, the LSO does not
 
 
+@pytest.mark.e2e
 @pytest.mark.real_kafka
-@pytest.mark.slow
 @pytest.mark.timeout(900)  # a 3-node cluster, Postgres, two replicas, a Spark job restarted after its kills
 def test_one_seed_survives_every_kill_exactly_once(tmp_path: Path) -> None:
     code, text, m = suite(tmp_path, "--seed", "1", "--records", "240")
@@ -63,8 +64,8 @@ def test_one_seed_survives_every_kill_exactly_once(tmp_path: Path) -> None:
         assert what in text, f"no {what!r} in the run:\n{text[-6000:]}"
 
 
+@pytest.mark.e2e
 @pytest.mark.real_kafka
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_duplicate_in_the_output_fails_the_verdict(tmp_path: Path) -> None:
     code, text, m = suite(tmp_path, "--seed", "2", "--records", "60", "--no-kills", "--break", "duplicate")

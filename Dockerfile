@@ -1,6 +1,7 @@
 # The coordinator's image: `docker build -t spark-eos-coordinator .`
-# Stage 1 builds the project's wheel and installs it with the server's dependencies ([server]) into a venv; stage 2
-# copies only that venv onto a slim Python. Runs as a non-root uid and writes nothing outside /tmp,
+# Stage 1 builds the project's wheel and installs it into a venv with the service's dependencies: the
+# [server] extra alone (deploy/docker/requirements_of.py), not the writer's; stage 2 copies only that
+# venv onto a slim Python. Runs as a non-root uid and writes nothing outside /tmp,
 # so it runs with a read-only root filesystem (Kubernetes readOnlyRootFilesystem, compose read_only).
 # PYTHON_IMAGE: the official python image by default; `python -m localimages` builds it on a Debian
 # base it made itself. Python packages come from PyPI, or only from deploy/image-inputs/wheels/ when
@@ -14,13 +15,16 @@ COPY deploy/image-inputs/ /image-inputs/
 COPY pyproject.toml README.md ./
 COPY coordinator ./coordinator
 COPY migrations ./migrations
+COPY deploy/docker/requirements_of.py /tmp/
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN if ls /image-inputs/wheels/*.whl > /dev/null 2>&1; then \
       export PIP_NO_INDEX=1 PIP_FIND_LINKS=/image-inputs/wheels; fi \
  && pip wheel --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/venv \
  && WHEEL=$(ls /wheels/*.whl) \
- && /opt/venv/bin/pip install "${WHEEL}[server]" \
+ && /opt/venv/bin/pip install --no-deps "${WHEEL}" \
+ && /opt/venv/bin/python /tmp/requirements_of.py spark-kafka-exactly-once server > /tmp/server-requirements.txt \
+ && /opt/venv/bin/pip install -r /tmp/server-requirements.txt \
  && /opt/venv/bin/python -m compileall -q /opt/venv/lib
 
 FROM ${PYTHON_IMAGE}

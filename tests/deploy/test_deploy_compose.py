@@ -257,8 +257,9 @@ def test_the_coordinator_image_is_multi_stage_non_root_and_agrees_with_settings(
     froms = [i["value"] for i in parsed if i["instruction"] == "FROM"]
     assert froms == ["${PYTHON_IMAGE} AS build", "${PYTHON_IMAGE}"]
     assert python_image_default("Dockerfile").startswith("python:3.11-slim")
-    # `pip install .` is the writer's client only: the service's image installs the [server] extra
-    assert '[server]"' in " ".join(i["value"] for i in parsed if i["instruction"] == "RUN")
+    # `pip install .` is the writer's client: the service's image installs the [server] extra alone
+    runs = " ".join(i["value"] for i in parsed if i["instruction"] == "RUN")
+    assert '--no-deps "${WHEEL}"' in runs and "requirements_of.py spark-kafka-exactly-once server" in runs
     final = stage("Dockerfile")
     env = env_of(final)
     coordinator_env = {k: v for k, v in env.items() if k.startswith("COORDINATOR_")}
@@ -286,6 +287,23 @@ def python_image_default(dockerfile: str) -> str:
     args = [i["value"] for i in parsed if i["instruction"] == "ARG" and i["value"].startswith("PYTHON_IMAGE=")]
     assert len(args) == 1, args
     return args[0].split("=", 1)[1]
+
+
+def test_the_coordinator_image_installs_the_server_extra_without_the_writers_requirements() -> None:
+    """deploy/docker/requirements_of.py on this checkout's installed metadata: exactly the [server]
+    extra's pins (so the image runs what the tests run), none of the writer's base requirements."""
+    import tomllib
+
+    script = REPO_ROOT / "deploy" / "docker" / "requirements_of.py"
+    out = subprocess.run([sys.executable, str(script), "spark-kafka-exactly-once", "server"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    meta = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    assert out == meta["optional-dependencies"]["server"]
+    writers_only = {d.split("==")[0] for d in meta["dependencies"]} - {"httpx"}  # pyarrow, pandas, numpy, confluent-kafka
+    assert not writers_only & {d.split("==")[0] for d in out}
+    missing = subprocess.run([sys.executable, str(script), "spark-kafka-exactly-once", "no-such-extra"],
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and "no requirement for the extra" in missing.stderr
 
 
 def test_the_job_image_has_java_17_and_the_spark_extra() -> None:

@@ -131,9 +131,11 @@ def main() -> int:
             cpu = writer_cpu.seconds_between(before, writer_cpu.snapshot(coordinator_pid, postgres_pid))
             return seconds, cpu, wp.visible_records(bootstrap, topic), query
 
-        # warm-up (not measured): Python workers, JVM classes, first connections, for every path
+        # warm-up (not measured): Python workers, JVM classes, first connections, for every path, and
+        # enough records for the JIT to compile each path's per-record code (with 10,000 the first
+        # measured round of Spark's sink cost ~1.8x its later ones)
         warmup = workdir / "warmup"
-        wp.write_data(spark, warmup, 2, 5_000, 100)
+        wp.write_data(spark, warmup, 2, 100_000, 100)
         for path in args.paths:
             run_path(path, warmup, args.partitions, "warmup")
 

@@ -132,10 +132,10 @@ def main() -> int:
             return seconds, cpu, wp.visible_records(bootstrap, topic), query
 
         # warm-up (not measured): Python workers, JVM classes, first connections, for every path, and
-        # enough records for the JIT to compile each path's per-record code (with 10,000 the first
-        # measured round of Spark's sink cost ~1.8x its later ones)
+        # two batches of the bench shape so the JIT compiles each path's per-record code (with 10,000
+        # records the first measured round of Spark's sink cost up to 1.8x its later ones)
         warmup = workdir / "warmup"
-        wp.write_data(spark, warmup, 2, 100_000, 100)
+        wp.write_data(spark, warmup, 2, args.records_per_batch, args.value_bytes)
         for path in args.paths:
             run_path(path, warmup, args.partitions, "warmup")
 

@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -292,8 +293,6 @@ def python_image_default(dockerfile: str) -> str:
 def test_the_coordinator_image_installs_the_server_extra_without_the_writers_requirements() -> None:
     """deploy/docker/requirements_of.py on this checkout's installed metadata: exactly the [server]
     extra's pins (so the image runs what the tests run), none of the writer's base requirements."""
-    import tomllib
-
     script = REPO_ROOT / "deploy" / "docker" / "requirements_of.py"
     out = subprocess.run([sys.executable, str(script), "spark-kafka-exactly-once", "server"], capture_output=True,
                          text=True, check=True).stdout.split()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,8 @@ from fixtures.servers import REPO_ROOT, ServiceProcess
 from fixtures.spark_support import (
     ADMIN,
     assert_exactly_once,
-    kafka_service,
     module_database_url,  # noqa: F401 - fixture
+    service,  # noqa: F401 - fixture
     outcome,
     register,
     write_input_files,
@@ -42,12 +41,6 @@ from sparkclient import CoordinatorClient
 pytestmark = pytest.mark.slow
 
 DRIVER = "fixtures.spark_crash_driver"  # run with -m from tests/
-
-
-@pytest.fixture(scope="module")
-def service(module_database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:  # noqa: F811
-    with kafka_service(module_database_url, tmp_path_factory.mktemp("coordinator")) as s:
-        yield s
 
 
 def run_driver(args: dict[str, Any], log: Path, timeout_s: float = 240) -> tuple[int, str]:

@@ -8,7 +8,6 @@ read_committed consumer sees) is the judge.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,18 +15,12 @@ import pytest
 from fixtures.kafka_producers import partition_log, settled_partition_log
 from fixtures.real_kafka import RealKafka, read_committed
 from fixtures.servers import ServiceProcess
-from fixtures.spark_support import kafka_service, module_database_url, register  # noqa: F401 - fixture
+from fixtures.spark_support import module_database_url, register, service  # noqa: F401 - fixture
 from sparkclient import CoordinatorClient, DeliveryFailed
 from sparkclient.executor import BatchAttempt, Coordinator, TaskSpec, TaskTry, WriteSettings, write_task
 
 pa = pytest.importorskip("pyarrow")
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def service(module_database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:  # noqa: F811
-    with kafka_service(module_database_url, tmp_path_factory.mktemp("coordinator")) as s:
-        yield s
 
 
 def spec_for(service: ServiceProcess, token: str, sink: str, bootstrap: str, topic: str | None, columns: tuple[str, ...],

@@ -21,8 +21,8 @@ from fixtures.spark_support import (
     ADMIN,
     FailTask,
     assert_exactly_once,
-    kafka_service,
     module_database_url,  # noqa: F401 - fixture
+    service,  # noqa: F401 - fixture
     outcome,
     read_topic,
     register,
@@ -40,12 +40,6 @@ def spark() -> Iterator[Any]:
     session = spark_session("sparkclient-sink", **{"spark.python.unix.domain.socket.enabled": "true"})
     yield session
     session.stop()
-
-
-@pytest.fixture(scope="module")
-def service(module_database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:  # noqa: F811
-    with kafka_service(module_database_url, tmp_path_factory.mktemp("coordinator")) as s:
-        yield s
 
 
 def run_sink_query(spark: Any, source: Path, checkpoint: Path, options: dict[str, str], partitions: int = 3,

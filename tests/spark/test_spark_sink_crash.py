@@ -19,7 +19,6 @@ committed twice: what a read_committed consumer sees, cross-checked with the coo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,8 @@ from fixtures.servers import ServiceProcess
 from fixtures.spark_support import (
     ADMIN,
     assert_exactly_once,
-    kafka_service,
     module_database_url,  # noqa: F401 - fixture
+    service,  # noqa: F401 - fixture
     outcome,
     read_topic,
     register,
@@ -43,12 +42,6 @@ from test_spark_crash import run_driver
 
 pytest.importorskip("pyspark.sql.datasource", reason="the Python Data Source API (pyspark 4.x)")
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def service(module_database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:  # noqa: F811
-    with kafka_service(module_database_url, tmp_path_factory.mktemp("coordinator")) as s:
-        yield s
 
 
 @pytest.mark.timeout(900)

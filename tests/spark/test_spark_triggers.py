@@ -16,7 +16,7 @@ import pytest
 
 from fixtures.real_kafka import RealKafka, read_committed
 from fixtures.servers import ServiceProcess
-from fixtures.spark_support import kafka_service, module_database_url, register, spark_session  # noqa: F401 - fixture
+from fixtures.spark_support import module_database_url, register, service, spark_session  # noqa: F401 - fixture
 from sparkclient import BatchReport, CoordinatorClient, ExactlyOnceKafkaWriter
 
 pytestmark = pytest.mark.slow
@@ -27,12 +27,6 @@ def spark() -> Iterator[Any]:
     session = spark_session("sparkclient-triggers")  # with Spark's Kafka connector
     yield session
     session.stop()
-
-
-@pytest.fixture(scope="module")
-def service(module_database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:  # noqa: F811
-    with kafka_service(module_database_url, tmp_path_factory.mktemp("coordinator")) as s:
-        yield s
 
 
 class CountingClient(CoordinatorClient):

@@ -29,6 +29,7 @@ from fixtures.spark_support import (
     assert_exactly_once,
     kafka_service,
     module_database_url,  # noqa: F401 - fixture
+    service,  # noqa: F401 - fixture
     outcome,
     read_topic,
     register,
@@ -53,12 +54,6 @@ def spark() -> Iterator[Any]:
     session = spark_session("sparkclient-tests")
     yield session
     session.stop()
-
-
-@pytest.fixture(scope="module")
-def service(module_database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:  # noqa: F811
-    with kafka_service(module_database_url, tmp_path_factory.mktemp("coordinator")) as s:
-        yield s
 
 
 def options(service: ServiceProcess, broker: RealKafka, sink: str, token: str, topic: str, checkpoint: Path,
@@ -263,8 +258,6 @@ def test_the_client_retries_until_the_coordinator_answers_and_explains_refusals(
                                                                                check_broker=False)))
     caller.start()
     try:
-        import time
-
         time.sleep(1.0)  # the call is failing (connection refused) and retrying now
         assert not answer
         late.start().wait_ready()
